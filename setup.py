@@ -1,0 +1,46 @@
+"""cleaner_jax: agentic RL on self-purified tool-use trajectories (CLEANER) in JAX/Flax NNX.
+
+Versions are pinned to the set measured to install together on Python 3.11
+(JAX 0.10.2 / Flax 0.12.8 are the last releases that support 3.11).
+"""
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "safetensors==0.8.0",
+    "ml_collections==1.1.0",
+    "tensorboardX==2.6.5",
+    "numpy==2.4.6",
+    "math-verify==0.9.0",
+    "aiohttp==3.14.5",
+    "tqdm==4.70.1",
+    "psutil==7.2.2",
+    "Jinja2==3.1.6",
+]
+
+EXTRAS_REQUIRE = {
+    # torch is pinned: an unpinned torch pulls a multi-GB CUDA build. It is only used as the
+    # independent reference (transformers eager) in parity tests and benchmarks.
+    "dev": [
+        "pytest==9.2.0",
+        "pytest-timeout==2.4.0",
+        "hypothesis==6.170.17",
+        "torch==2.13.0",
+    ],
+}
+
+setup(
+    name="cleaner_jax",
+    version="0.1.0",
+    description="CLEANER (SAAR-purified agentic RL) for Qwen2/Qwen3 in JAX/Flax NNX",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["cleaner_jax", "cleaner_jax.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)
