@@ -22,6 +22,7 @@ INSTALL_REQUIRES = [
     "tqdm==4.70.1",
     "psutil==7.2.2",
     "Jinja2==3.1.6",
+    "pyarrow==26.0.1",  # Open-AgentRL-style parquet training data
 ]
 
 EXTRAS_REQUIRE = {
