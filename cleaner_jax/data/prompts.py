@@ -1,0 +1,82 @@
+"""The authors' prompt text, exactly (research/data.md §3, open_cleaner.md §7).
+
+The wording matters: rewards parse `\\boxed{}` from the end of the response and code rewards
+look for a ```python block, and the checkpoints were SFT'd on these instructions. The typo
+"sumbit" is the authors'.
+"""
+from __future__ import annotations
+
+MATH1 = "Analyze and solve the following math problem step by step. \n\n"
+MATH2 = (
+    "\n\nThe tool could be used for more precise and efficient calculation and could help you "
+    "to verify your result before you reach the final answer."
+)
+AGENT = (
+    "\n\n**Note: You should first analyze the problem and form a high-level solution strategy, "
+    "then utilize the tools to help you solve the problem.**"
+)
+ANSFMT = (
+    "\nRemember once you make sure the current answer is your final answer, do not call the "
+    "tools again and directly output the final answer in the following text format, the answer "
+    "format must be: \\boxed{'The final answer goes here.'}."
+)
+UNITS = (
+    "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be "
+    "the numerical value of the final answer only, without any units."
+)
+UNITS2 = (
+    "\nDo not put units of the final answer inside \\boxed{}. The content of \\boxed{} should be "
+    "the final numerical value of the final answer only, without any units."
+)
+SUBMIT = (
+    "\nBefore sumbit your code, you can utilize tools to check the correctness of your code, once "
+    "you make sure the current code is correct, do not call the tools again and submit your code "
+    "within ```python\n# YOUR CODE HERE\n```."
+)
+NOTOOL_SUBMIT = (
+    "\nOnce you make sure the current code is correct, submit your code within "
+    "```python\n# YOUR CODE HERE\n```."
+)
+GPQA_SUFFIX = "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"
+
+# The one tool the authors register (rstar_code_judge.yaml).
+CODE_INTERPRETER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "A tool for executing code.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The code to execute."}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+def math_eval_prompt(problem: str, *, tool: bool = True) -> str:
+    """AIME/AMC/MATH evaluation prompt (tool variant = P1 + problem + P2 + AGENT + ANSWER)."""
+    return MATH1 + problem + (MATH2 + AGENT if tool else "") + ANSFMT
+
+
+def gpqa_eval_prompt(problem: str, domain: str, *, tool: bool = True) -> str:
+    head = f"Analyze and solve the following {domain} problem step by step. \n\n"
+    return head + problem + (MATH2 + AGENT if tool else "") + ANSFMT + GPQA_SUFFIX
+
+
+def train_prompt_faithful(stored_prompt: str) -> str:
+    """What the authors' training pipeline actually appends to *every* Open-AgentRL row.
+
+    Their dataset class picks the mapping from the first row's data_source (math_dapo), so
+    code rows get the math UNITS suffix too (open_cleaner.md §7.1).
+    """
+    return stored_prompt + UNITS
+
+
+def code_eval_prompt(problem: str, *, tool: bool = True) -> str:
+    """A HumanEval/LeetCode-style prompt in the authors' code-submission format."""
+    head = (
+        "You will be given a question (problem specification) and will generate a correct Python "
+        "program that matches the specification and passes all tests.\n\n"
+    )
+    return head + problem + (AGENT + SUBMIT if tool else NOTOOL_SUBMIT)
