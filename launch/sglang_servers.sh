@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Start one real SGLang server per GPU (tensor-parallel 1, as the authors run rollouts) on
+# consecutive ports, and wait until every /health answers 200. The trainer then talks to them
+# with --config.rollout.backend=sglang --config.rollout.server_urls=http://127.0.0.1:30000,...
+#
+#   launch/sglang_servers.sh MODEL_DIR [NUM_GPUS=4] [FIRST_PORT=30000] [DTYPE=float16]
+#
+# MODEL_DIR is a local Hugging Face directory (the trainer's weight sync later points the
+# servers at its own exports through /update_weights_from_disk). Logs go to logs/sglang-<gpu>.log.
+set -euo pipefail
+model=${1:?usage: $0 MODEL_DIR [NUM_GPUS] [FIRST_PORT] [DTYPE]}
+gpus=${2:-4}
+port0=${3:-30000}
+dtype=${4:-float16}
+mkdir -p logs
+urls=()
+for ((g = 0; g < gpus; g++)); do
+  port=$((port0 + g))
+  CUDA_VISIBLE_DEVICES=$g nohup python -m sglang.launch_server --model-path "$model" \
+    --host 127.0.0.1 --port "$port" --tp 1 --dtype "$dtype" --mem-fraction-static 0.6 \
+    --skip-tokenizer-init >"logs/sglang-$g.log" 2>&1 &
+  urls+=("http://127.0.0.1:$port")
+done
+for u in "${urls[@]}"; do
+  for _ in $(seq 1 600); do
+    if curl -sf "$u/health" >/dev/null; then break; fi
+    sleep 1
+  done
+  curl -sf "$u/health" >/dev/null || { echo "server $u did not become healthy; see logs/" >&2; exit 1; }
+done
+(IFS=,; echo "${urls[*]}")
