@@ -1,0 +1,96 @@
+"""Executing one parsed tool call: the executor interface and the authors' invocation rules.
+
+The loop talks to code execution through `ToolExecutor` (`await execute(code) -> ToolResult`),
+so tests and benchmarks can inject a scripted executor; `SandboxExecutor` is the real one
+(cleaner_jax.tools.sandbox + the authors' observation text from cleaner_jax.tools.observation).
+
+Invocation rules (research/open_cleaner.md §1.5): the call's arguments are parsed again as
+JSON and the tool is looked up by name. An unknown name or arguments that are not an object
+give the format-error observation; an executor exception gives `Tool call failure.`. Both are
+failures for SAAR. An executor exception is an infrastructure failure: it is labelled `infra`
+(the authors lumped it into `tool_call_format_error`) so it never looks like a model error in
+the statistics, while the model still sees the authors' text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+from cleaner_jax.chat.hermes import ToolCall, lenient_json_loads
+from cleaner_jax.saar.rules import DEFAULT_ERROR_LABELS, FORMAT_ERROR, failure_label
+
+FORMAT_ERROR_TEXT = (
+    "Tool call failure: tool call format is wrong, please make sure to generate correct "
+    "json-format tool call arguments."
+)
+EXCEPTION_TEXT = "Tool call failure."
+INFRA_LABEL = "infra"
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """`text`: the observation the model sees (already truncated). `label`: None on success,
+    else the failure label for statistics (from the untruncated text). `infra`: the sandbox,
+    not the model's code, failed."""
+
+    text: str
+    label: str | None
+    infra: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.label is not None
+
+
+class ToolExecutor(Protocol):
+    async def execute(self, code: str) -> ToolResult: ...
+
+
+async def invoke_call(call: ToolCall, executor: ToolExecutor, tool_names: frozenset[str]) -> ToolResult:
+    """Run one parsed call the authors' way; never raises for model mistakes."""
+    try:
+        args = lenient_json_loads(call.arguments)
+    except ValueError:
+        return ToolResult(FORMAT_ERROR_TEXT, FORMAT_ERROR)
+    if call.name not in tool_names or not isinstance(args, dict):
+        return ToolResult(FORMAT_ERROR_TEXT, FORMAT_ERROR)
+    code = args.get("code", "")
+    if not isinstance(code, str):
+        return ToolResult(FORMAT_ERROR_TEXT, FORMAT_ERROR)
+    try:
+        return await executor.execute(code)
+    except Exception as err:  # noqa: BLE001 - the authors turn any executor exception into an observation
+        log.warning("tool executor raised %r; the model sees %r (counted as infra)", err, EXCEPTION_TEXT)
+        return ToolResult(EXCEPTION_TEXT, INFRA_LABEL, infra=True)
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """The loop's truncation (side `middle`): head + `...(truncated)...` + tail."""
+    if len(text) <= max_chars:
+        return text
+    half = max_chars // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+class SandboxExecutor:
+    """`ToolExecutor` over a `cleaner_jax.tools.sandbox.Sandbox` (stdin always empty)."""
+
+    def __init__(self, sandbox: Any, observation_mode: str = "faithful", max_chars: int = 256,
+                 error_labels: tuple[str, ...] = DEFAULT_ERROR_LABELS) -> None:
+        self.sandbox = sandbox
+        self.observation_mode = observation_mode
+        self.max_chars = max_chars
+        self.error_labels = error_labels
+
+    async def execute(self, code: str) -> ToolResult:
+        from cleaner_jax.tools.observation import format_observation
+
+        result = await self.sandbox.arun(code)
+        full = format_observation(result, mode=self.observation_mode, max_chars=None)
+        shown = truncate_middle(full, self.max_chars)
+        infra = result.status == "infra"
+        label = INFRA_LABEL if infra else failure_label(full, self.error_labels)
+        return ToolResult(shown, label, infra=infra)
