@@ -1,0 +1,458 @@
+"""One pool worker: a fork server that runs each snippet in a fresh, isolated child.
+
+Started as `python -m cleaner_jax.tools._forkserver CONFIG_JSON` by `Sandbox`. Process tree:
+
+    server S  (root; own network namespace [only `lo`, down] and mount namespace [/tmp,
+      │        /var/tmp, /dev/shm = a private work dir W; dirs the code must not see hidden];
+      │        pre-imports numpy/sympy once)
+      ├─ reaper R  (pid 1 of a PID namespace made for this worker; small: forked before the
+      │             big imports; reaps orphans and, on request, kills every process of the
+      │             worker's uid: kill(-1) from a helper running as that uid)
+      └─ child B  (one per call, forked from S into R's namespace: new session, rlimits
+                   incl. RLIMIT_NPROC, unprivileged uid, no_new_privs, scrubbed env, cwd W;
+                   runs the code via `_executor`)
+
+S enforces the wall-clock timeout and the output limit, reaps B, then has R kill whatever B
+left behind (background processes, setsid escapes), then empties W: each call starts from an
+empty /tmp with no surviving process, so calls are stateless. If S dies, R (PDEATHSIG) dies and
+the kernel kills the whole namespace. Layers the kernel refuses are listed in `Isolation.notes`.
+S and the Sandbox exchange length-prefixed JSON over S's stdin/stdout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import json
+import os
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, NoReturn
+
+from cleaner_jax.tools import _linux
+from cleaner_jax.tools._executor import install_std_streams, run_user_code
+
+_REPORT_FD = 3
+_DRAIN_S = 2.0  # how long S keeps reading pipes after B is gone (leftovers are being killed)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    uid: int | None  # unprivileged uid for the code (None when we are not root)
+    timeout_s: float
+    memory_mb: int
+    output_limit: int
+    file_size_mb: int
+    max_processes: int
+    max_open_files: int
+    keep_stdout_on_error: bool
+    root_dir: str
+    preload: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    network: bool
+    pid_namespace: bool
+    mount_namespace: bool
+    unprivileged_uid: bool
+    notes: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- framing
+
+def send_msg(fd: int, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    view = memoryview(struct.pack(">I", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def recv_exact(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise EOFError(f"pipe closed after {got} of {n} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_msg(fd: int) -> Any:
+    (n,) = struct.unpack(">I", recv_exact(fd, 4))
+    return json.loads(recv_exact(fd, n))
+
+
+# ---------------------------------------------------------------- mount namespace of S
+
+def _untraversable_ancestors(paths: list[str]) -> dict[str, set[str]]:
+    """{dir that 'other' users cannot enter (no o+x): names below it that `paths` go through}.
+
+    Example: the interpreter lives in /root/.pyenv and /root is 0700, so the unprivileged uid
+    could not import the stdlib; {"/root": {".pyenv"}} makes S mount an empty tmpfs on /root
+    holding only a bind mount of /root/.pyenv (nothing else in /root becomes visible)."""
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        parts = os.path.realpath(path).strip("/").split("/")
+        for i in range(len(parts)):
+            ancestor = "/" + "/".join(parts[:i])
+            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
+                found.setdefault(ancestor, set()).add(parts[i])
+                break
+    return found
+
+
+def _python_paths() -> list[str]:
+    paths = [p for p in sys.path if p and os.path.exists(p)]
+    return paths + [sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)]
+
+
+def _setup_mounts(workdir: str, hidden: dict[str, set[str]]) -> None:
+    _linux.unshare(_linux.CLONE_NEWNS)
+    _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+    for parent, children in sorted(hidden.items()):
+        fds = {c: os.open(os.path.join(parent, c), os.O_PATH) for c in children}
+        _linux.mount("tmpfs", parent, "tmpfs", 0, "mode=755,size=64k")
+        for child, fd in fds.items():
+            target = os.path.join(parent, child)
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                os.mkdir(target)
+            else:
+                open(target, "w").close()
+            _linux.mount(f"/proc/self/fd/{fd}", target, None, _linux.MS_BIND | _linux.MS_REC)
+            os.close(fd)
+    wfd = os.open(workdir, os.O_PATH)
+    for shared_tmp in ("/var/tmp", "/dev/shm", "/tmp"):
+        if os.path.isdir(shared_tmp):
+            _linux.mount(f"/proc/self/fd/{wfd}", shared_tmp, None, _linux.MS_BIND)
+    os.close(wfd)
+
+
+# ---------------------------------------------------------------- reaper R
+
+def _reaper(req_r: int, resp_w: int) -> NoReturn:
+    """pid 1 of the worker's PID namespace: reap orphans; on a request, kill all of uid."""
+    _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def reap(*_: object) -> None:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+
+    signal.signal(signal.SIGCHLD, reap)
+    while True:
+        msg = os.read(req_r, 4)
+        if len(msg) < 4:
+            os._exit(0)
+        uid = struct.unpack(">i", msg)[0]
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            try:
+                if uid >= 0:
+                    os.setgid(uid)
+                    os.setuid(uid)
+                    os.kill(-1, signal.SIGKILL)  # atomic w.r.t. fork: nothing of uid survives
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        reap()
+        os.write(resp_w, b"k")
+
+
+@dataclasses.dataclass
+class _Reaper:
+    pid: int
+    req_w: int
+    resp_r: int
+
+    def kill_uid(self, uid: int) -> None:
+        os.write(self.req_w, struct.pack(">i", uid))
+        if os.read(self.resp_r, 1) != b"k":
+            raise RuntimeError("sandbox reaper died")
+
+
+def _start_reaper() -> _Reaper:
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in (2, req_r, resp_w):
+                try:
+                    os.close(int(name))
+                except OSError:  # the fd of the listdir itself, already closed
+                    pass
+        _reaper(req_r, resp_w)
+    os.close(req_r)
+    os.close(resp_w)
+    return _Reaper(pid, req_w, resp_r)
+
+
+# ---------------------------------------------------------------- child B
+
+def _child(code: str, stdin_fd: int, out_w: int, err_w: int, rep_w: int, cwd: str,
+           cfg: WorkerConfig) -> NoReturn:
+    try:
+        _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.setsid()
+        for target, fd in ((0, stdin_fd), (1, out_w), (2, err_w), (_REPORT_FD, rep_w)):
+            os.dup2(fd, target)
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) > _REPORT_FD:
+                try:
+                    os.close(int(name))
+                except OSError:  # the fd of the listdir itself, already closed
+                    pass
+        os.chdir(cwd)
+        mb = 1024 * 1024
+        cpu = max(1, int(cfg.timeout_s + 0.999))
+        for rlim, soft, hard in ((resource.RLIMIT_CORE, 0, 0),
+                                 (resource.RLIMIT_CPU, cpu, cpu + 1),
+                                 (resource.RLIMIT_AS, cfg.memory_mb * mb, cfg.memory_mb * mb),
+                                 (resource.RLIMIT_FSIZE, cfg.file_size_mb * mb,
+                                  cfg.file_size_mb * mb),
+                                 (resource.RLIMIT_NOFILE, cfg.max_open_files,
+                                  cfg.max_open_files)):
+            resource.setrlimit(rlim, (soft, hard))
+        _linux.prctl(_linux.PR_SET_NO_NEW_PRIVS, 1)
+        if cfg.uid is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
+            os.setgroups([])
+            os.setgid(cfg.uid)
+            os.setuid(cfg.uid)
+        os.environ.clear()
+        os.environ.update(cfg.env, HOME=cwd, TMPDIR=cwd, PWD=cwd)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        install_std_streams()
+    except BaseException as e:  # setup failed: this is the sandbox's fault, never the model's
+        os.write(_REPORT_FD, json.dumps({"kind": "infra", "message": f"child setup: {e!r}"})
+                 .encode())
+        os._exit(70)
+    run_user_code(code, _REPORT_FD, cfg.keep_stdout_on_error)
+
+
+# ---------------------------------------------------------------- server S
+
+@dataclasses.dataclass
+class _Server:
+    cfg: WorkerConfig
+    iso: Isolation
+    workdir: str  # the path of W as S sees it ("/tmp" with a mount namespace)
+    reaper: _Reaper | None
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        stdin_fd = _open_stdin(req.get("stdin"))
+        (out_r, out_w), (err_r, err_w), (rep_r, rep_w) = os.pipe(), os.pipe(), os.pipe()
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            _child(req["code"], stdin_fd, out_w, err_w, rep_w, self.workdir, self.cfg)
+        for fd in (stdin_fd, out_w, err_w, rep_w):
+            os.close(fd)
+        try:
+            result = self._watch(pid, out_r, err_r, rep_r, t0)
+        except BaseException:
+            self._kill_leftovers(pid)
+            raise
+        finally:
+            _empty_dir(self.workdir)
+        return result
+
+    def _kill_leftovers(self, pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.reaper is not None and self.cfg.uid is not None:
+            self.reaper.kill_uid(self.cfg.uid)
+
+    def _watch(self, pid: int, out_r: int, err_r: int, rep_r: int, t0: float
+               ) -> dict[str, Any]:
+        bufs: dict[int, bytearray] = {out_r: bytearray(), err_r: bytearray(),
+                                      rep_r: bytearray()}
+        sel = selectors.DefaultSelector()
+        for fd in bufs:
+            sel.register(fd, selectors.EVENT_READ)
+        pidfd = os.pidfd_open(pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+        deadline = t0 + self.cfg.timeout_s
+        killed_for: str | None = None
+        child_done = False
+        open_fds = set(bufs)
+        while open_fds:
+            now = time.perf_counter()
+            if now >= deadline:
+                if killed_for is None and not child_done:
+                    killed_for = "timeout"
+                    os.kill(pid, signal.SIGKILL)
+                    deadline = now + _DRAIN_S
+                    continue
+                break  # pipes still held open by something we could not kill
+            for key, _ in sel.select(timeout=deadline - now):
+                fd = key.fd
+                if fd == pidfd:
+                    sel.unregister(pidfd)
+                    child_done = True
+                    self._kill_leftovers(pid)
+                    deadline = min(deadline, time.perf_counter() + _DRAIN_S)
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    sel.unregister(fd)
+                    open_fds.discard(fd)
+                    continue
+                room = self.cfg.output_limit - len(bufs[fd]) if fd != rep_r else 1 << 20
+                bufs[fd] += chunk[: max(room, 0)]
+                if len(chunk) > room and fd != rep_r and killed_for is None:
+                    killed_for = "output_limit"
+                    os.kill(pid, signal.SIGKILL)
+                    deadline = time.perf_counter() + _DRAIN_S
+        if not child_done:
+            os.kill(pid, signal.SIGKILL)  # pipes closed (or drain over) but B lingers
+        _, status = os.waitpid(pid, 0)
+        if not child_done:
+            self._kill_leftovers(pid)
+        duration = time.perf_counter() - t0
+        sel.close()
+        for fd in (*bufs, pidfd):
+            os.close(fd)
+        return _classify(status, killed_for, bytes(bufs[out_r]), bytes(bufs[err_r]),
+                         bytes(bufs[rep_r]), duration, self.iso)
+
+
+def _open_stdin(data: str | None) -> int:
+    if data is None:
+        return os.open(os.devnull, os.O_RDONLY)
+    fd = os.memfd_create("stdin")
+    os.write(fd, data.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _empty_dir(path: str) -> None:
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _classify(status: int, killed_for: str | None, out: bytes, err: bytes, rep: bytes,
+              duration: float, iso: Isolation) -> dict[str, Any]:
+    code = os.waitstatus_to_exitcode(status)
+    res: dict[str, Any] = {
+        "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
+        "duration_s": duration, "exit_code": code, "error_type": None, "error_line": None,
+        "traceback": "", "network_isolated": iso.network,
+    }
+    try:
+        report = json.loads(rep) if rep else None
+    except ValueError:  # the code scribbled on the report fd; trust only the exit status
+        report = None
+    if not isinstance(report, dict):
+        report = None
+    if killed_for is not None:
+        res["status"] = killed_for
+        res["error_type"] = "TimeoutError" if killed_for == "timeout" else "OutputLimitExceeded"
+    elif report is not None and report.get("kind") == "infra":
+        res.update(status="infra", stderr=str(report.get("message", "")))
+    elif code < 0 and -code == signal.SIGXCPU:
+        res.update(status="timeout", error_type="TimeoutError")
+    elif report is not None and report.get("kind") == "exception":
+        etype = str(report.get("error_type"))
+        res.update(status="memory" if etype == "MemoryError" else "error", error_type=etype,
+                   error_line=report.get("error_line"), traceback=str(report.get("traceback")))
+    elif code == 0:
+        res["status"] = "ok"
+    elif code < 0:
+        res.update(status="error", error_type=_signal_name(-code))
+    else:
+        res.update(status="error", error_type="SystemExit")
+    return res
+
+
+def _start(cfg: WorkerConfig) -> _Server:
+    """Namespaces first (the reaper must be forked before the big imports), then preload."""
+    notes = []
+    if cfg.uid is None:
+        notes.append("not root: code runs as the server's uid; RLIMIT_NPROC is not set (it "
+                     "would count every process of that user), no uid-wide kill of leftovers")
+    try:
+        _linux.unshare(_linux.CLONE_NEWNET)
+        network = True
+    except OSError as e:
+        network = False
+        notes.append(f"no network namespace ({e}): sandboxed code CAN reach the network")
+    workdir = tempfile.mkdtemp(prefix="worker_", dir=cfg.root_dir)
+    if cfg.uid is not None:
+        os.chown(workdir, cfg.uid, cfg.uid)
+    os.chmod(workdir, 0o700)
+    try:
+        _setup_mounts(workdir, _untraversable_ancestors(_python_paths())
+                      if cfg.uid is not None else {})
+        mount_ns, workdir = True, "/tmp"
+    except OSError as e:
+        mount_ns = False
+        notes.append(f"no mount namespace ({e}): /tmp is shared with the host")
+    try:
+        _linux.unshare(_linux.CLONE_NEWPID)
+        pid_ns = True
+    except OSError as e:
+        pid_ns = False
+        notes.append(f"no PID namespace ({e}): leftovers are killed by uid/process group only")
+    reaper = _start_reaper() if (pid_ns or cfg.uid is not None) else None
+    for name in cfg.preload:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # keep the pre-imported heap out of the children's GC: fewer copy-on-write faults
+    iso = Isolation(network=network, pid_namespace=pid_ns, mount_namespace=mount_ns,
+                    unprivileged_uid=cfg.uid is not None, notes=tuple(notes))
+    return _Server(cfg, iso, workdir, reaper)
+
+
+def main() -> None:
+    cfg_dict = json.loads(sys.argv[1])
+    cfg = WorkerConfig(**{**cfg_dict, "preload": tuple(cfg_dict["preload"])})
+    resp_fd = os.dup(1)
+    os.dup2(2, 1)  # stray prints (library warnings) must not corrupt the protocol
+    server = _start(cfg)
+    send_msg(resp_fd, {"ready": True, "pid": os.getpid(),
+                       "isolation": dataclasses.asdict(server.iso)})
+    while True:
+        try:
+            req = recv_msg(0)
+        except EOFError:
+            return
+        try:
+            result = server.run(req)
+        except Exception:  # a bug or resource failure in the server: report it as infra, then
+            send_msg(resp_fd, {"status": "infra", "stderr": "sandbox server failed:\n"
+                               + traceback.format_exc()})
+            raise  # exit, so the Sandbox replaces this worker with a fresh one
+        send_msg(resp_fd, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""Isolated Python execution for model-written tool code: a pool of pre-started fork servers.
+
+Why a pool: the authors start a fresh `python3` (plus imports) per call; here each worker imports
+numpy/sympy once and forks a fresh, isolated child per call, so calls stay stateless (nothing a
+call does survives it) at a fraction of the cost. See `_forkserver` for the process tree and
+the isolation layers (network/PID/mount namespaces, unprivileged uid, rlimits, scrubbed env,
+private work dir). Layers the kernel refuses are reported in `Sandbox.isolation` and logged
+once; `ExecResult.network_isolated` says per call whether the network was cut off.
+
+Failures of the sandbox itself (a worker that died, a broken pipe) come back as
+status="infra" — never as a model error — and the dead worker is replaced, so the pool keeps
+its size.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import queue
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from cleaner_jax.tools._forkserver import recv_exact, send_msg
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "infra")
+DEFAULT_PRELOAD = ("numpy", "sympy", "math", "itertools", "collections", "fractions", "decimal",
+                   "functools", "heapq", "bisect", "re", "random", "statistics", "string", "json")
+_SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+             "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+             "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one execution.
+
+    `stderr` holds what the code's process wrote to stderr: for an uncaught exception that is
+    the authors' compact `<ErrType> at line <n>: <message>\\n  <source line>` text; the full
+    traceback is in `traceback`.
+    """
+
+    status: str  # one of STATUSES
+    stdout: str
+    stderr: str
+    error_type: str | None  # e.g. "NameError", "TimeoutError", "SIGKILL"; None when ok
+    error_line: int | None
+    duration_s: float
+    traceback: str = ""
+    exit_code: int | None = None  # negative: killed by that signal
+    network_isolated: bool = False
+
+    @classmethod
+    def infra(cls, message: str, duration_s: float = 0.0) -> ExecResult:
+        return cls(status="infra", stdout="", stderr=message, error_type=None, error_line=None,
+                   duration_s=duration_s)
+
+
+class _Worker:
+    """One fork-server process and the pipes to it. Not thread-safe: one caller at a time."""
+
+    def __init__(self, slot: int, config: dict[str, Any]) -> None:
+        self.slot = slot
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cleaner_jax.tools._forkserver", json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(config["env"]),
+            start_new_session=True, close_fds=True)
+        self.hello: dict[str, Any] | None = None
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        self.hello = self._recv(timeout_s)
+        if not self.hello.get("ready"):
+            raise RuntimeError(f"sandbox worker {self.slot} sent {self.hello!r} instead of ready")
+        return self.hello
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        send_msg(self.proc.stdin.fileno(), msg)
+        return self._recv(timeout_s)
+
+    def _recv(self, timeout_s: float) -> Any:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"sandbox worker {self.slot} gave no answer in {timeout_s}s")
+            n = int.from_bytes(recv_exact(fd, 4), "big")
+            return json.loads(recv_exact(fd, n))
+
+    def kill(self) -> None:
+        """Kill the server's whole session (its supervisors have PDEATHSIG) and reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+class Sandbox:
+    """Pool of isolated Python executors; use as a context manager.
+
+    timeout_s: wall-clock limit per call (CPU-time limit = the same, rounded up).
+    memory_mb: RLIMIT_AS of the code's process (the whole address space, incl. the ~140 MB of
+      pre-imported numpy/sympy; the authors' fresh interpreter had 256 + 256 MB).
+    output_limit: bytes kept per stream; more output kills the call with status "output_limit".
+    keep_stdout_on_error: the authors' wrapper lost buffered stdout on an uncaught exception;
+      True keeps it (a deviation from faithful behaviour).
+    uid_base: code of worker i runs as uid uid_base + i (when we are root), so RLIMIT_NPROC
+      counts only that worker's processes.
+    """
+
+    def __init__(self, workers: int = 2, timeout_s: float = 4.0, memory_mb: int = 512,
+                 output_limit: int = 1_000_000, *, file_size_mb: int = 64,
+                 max_processes: int = 64, max_open_files: int = 256,
+                 keep_stdout_on_error: bool = False, preload: tuple[str, ...] = DEFAULT_PRELOAD,
+                 uid_base: int = 64000, infra_retries: int = 1,
+                 start_timeout_s: float = 120.0) -> None:
+        if workers < 1:
+            raise ValueError(f"Sandbox needs workers >= 1, got {workers}")
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.infra_retries = infra_retries
+        self.start_timeout_s = start_timeout_s
+        self.replaced_workers = 0
+        self.root_dir = tempfile.mkdtemp(prefix="cleaner_sandbox_")
+        os.chmod(self.root_dir, 0o711)  # the unprivileged code may enter its own run dir only
+        self._base_config = dict(
+            timeout_s=timeout_s, memory_mb=memory_mb, output_limit=output_limit,
+            file_size_mb=file_size_mb, max_processes=max_processes,
+            max_open_files=max_open_files, keep_stdout_on_error=keep_stdout_on_error,
+            root_dir=self.root_dir, preload=list(preload), env=dict(_SAFE_ENV))
+        self._uid_base = uid_base if os.geteuid() == 0 else None
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._all: dict[int, _Worker] = {}
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self.isolation: dict[str, Any] = {}
+        try:
+            started = [self._spawn(slot) for slot in range(workers)]
+            for w in started:
+                self._ready(w)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ pool management
+
+    def _spawn(self, slot: int) -> _Worker:
+        uid = None if self._uid_base is None else self._uid_base + slot
+        w = _Worker(slot, dict(self._base_config, uid=uid))
+        with self._lock:
+            self._all[slot] = w
+        return w
+
+    def _ready(self, w: _Worker) -> None:
+        hello = w.wait_ready(self.start_timeout_s)
+        if not self.isolation:
+            self.isolation = hello["isolation"]
+            for note in self.isolation["notes"]:
+                log.warning("sandbox isolation: %s", note)
+        self._idle.put(w)
+
+    def _replace(self, w: _Worker, why: str) -> _Worker:
+        log.warning("sandbox worker %d replaced: %s", w.slot, why)
+        w.kill()
+        self.replaced_workers += 1
+        new = self._spawn(w.slot)
+        new.wait_ready(self.start_timeout_s)
+        return new
+
+    @property
+    def pool_size(self) -> int:
+        """Number of live worker processes (always `workers` between calls)."""
+        with self._lock:
+            return sum(w.alive() for w in self._all.values())
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [w.proc.pid for w in self._all.values()]
+
+    # ------------------------------------------------------------ execution
+
+    def run(self, code: str, stdin: str = "") -> ExecResult:
+        """Run `code` in a fresh isolated process; stdin is closed (EOF) when `stdin` is ""."""
+        if self._closed:
+            raise RuntimeError("Sandbox.run called after close()")
+        msg = {"code": code, "stdin": stdin if stdin else None}
+        w = self._idle.get()
+        try:
+            for attempt in range(self.infra_retries + 1):
+                if not w.alive():
+                    w = self._replace(w, f"found dead (exit {w.proc.returncode})")
+                t0 = time.perf_counter()
+                try:
+                    res = w.request(msg, self.timeout_s + 30.0)
+                except (OSError, EOFError, TimeoutError, ValueError) as e:
+                    res = {"status": "infra", "stderr": f"sandbox worker {w.slot}: {e!r}",
+                           "duration_s": time.perf_counter() - t0}
+                    w = self._replace(w, repr(e))
+                if res.get("status") != "infra" or attempt == self.infra_retries:
+                    return _to_result(res)
+                log.warning("sandbox infra failure, retrying: %s", res.get("stderr"))
+            raise AssertionError("unreachable")
+        finally:
+            self._idle.put(w)
+
+    def run_batch(self, codes: list[str]) -> list[ExecResult]:
+        if not codes:
+            return []
+        return list(self._pool_executor().map(self.run, codes))
+
+    async def arun(self, code: str, stdin: str = "") -> ExecResult:
+        """asyncio entry: runs `run` in the sandbox's own thread pool (size = workers)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool_executor(), self.run, code, stdin)
+
+    def _pool_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.workers, thread_name_prefix="sandbox")
+            return self._executor
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        with self._lock:
+            workers, self._all = list(self._all.values()), {}
+        for w in workers:
+            w.kill()
+        shutil.rmtree(self.root_dir, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _to_result(res: dict[str, Any]) -> ExecResult:
+    status = res.get("status")
+    if status not in STATUSES:
+        return ExecResult.infra(f"sandbox returned an unknown status {status!r}: {res!r}")
+    return ExecResult(status=status, stdout=res.get("stdout", ""), stderr=res.get("stderr", ""),
+                      error_type=res.get("error_type"), error_line=res.get("error_line"),
+                      duration_s=float(res.get("duration_s", 0.0)),
+                      traceback=res.get("traceback", ""), exit_code=res.get("exit_code"),
+                      network_isolated=bool(res.get("network_isolated", False)))
