@@ -15,7 +15,9 @@ INSTALL_REQUIRES = [
     "tokenizers==0.23.3",
     "safetensors==0.8.0",
     "ml_collections==1.1.0",
-    "tensorboardX==2.6.5",
+    "tensorboardX==2.6.5",  # event writer without TensorFlow
+    "tensorboard==2.21.0",  # the viewer, and the event reader used by viz/plots.py
+    "matplotlib==3.11.2",
     "numpy==2.4.6",
     "math-verify==0.9.0",
     "aiohttp==3.14.5",

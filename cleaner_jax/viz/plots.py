@@ -1,0 +1,76 @@
+"""Read TensorBoard scalars back and plot runs side by side (sweeps, ablations).
+
+A sweep (launch/sweep.py) leaves one run directory per grid point with a `sweep_point.json`;
+`plot_sweep` draws one curve per run for a metric, labelled by the swept values, so an
+ablation over γ, K or the learning rate is one call (or one notebook cell).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+Series = tuple[np.ndarray, np.ndarray]  # (steps [N], values [N])
+
+
+def load_scalars(run_dir: str | Path) -> dict[str, Series]:
+    """Every scalar tag written under `run_dir` (all event files, recursively)."""
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.rglob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event files under {run_dir}")
+    merged: dict[str, dict[int, float]] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            merged.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return {tag: (np.array(sorted(d)), np.array([d[s] for s in sorted(d)])) for tag, d in merged.items()}
+
+
+def sweep_runs(sweep_dir: str | Path) -> dict[str, Path]:
+    """Label -> run directory for every run of a sweep (labels from sweep_point.json)."""
+    runs = {}
+    for point_file in sorted(Path(sweep_dir).glob("*/sweep_point.json")):
+        point = json.loads(point_file.read_text())
+        runs[", ".join(f"{k}={v}" for k, v in point.items())] = point_file.parent
+    if not runs:
+        raise FileNotFoundError(f"no runs with sweep_point.json under {sweep_dir}")
+    return runs
+
+
+def plot_runs(runs: dict[str, Path], tag: str, out_png: str | Path, *, title: str | None = None) -> Path:
+    """One curve per run for scalar `tag`; runs that never wrote the tag are named in an error."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    missing = []
+    for label, run_dir in runs.items():
+        scalars = load_scalars(run_dir)
+        if tag not in scalars:
+            missing.append(label)
+            continue
+        steps, values = scalars[tag]
+        ax.plot(steps, values, marker="o", ms=3, label=label)
+    if missing:
+        plt.close(fig)
+        raise KeyError(f"tag {tag!r} missing in runs: {missing}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(tag)
+    ax.set_title(title or tag)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_sweep(sweep_dir: str | Path, tag: str, out_png: str | Path) -> Path:
+    return plot_runs(sweep_runs(sweep_dir), tag, out_png, title=f"{tag} — {Path(sweep_dir).name}")
