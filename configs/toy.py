@@ -18,7 +18,7 @@ def get_config():
     c.agent.max_assistant_turns = 4
     c.agent.max_user_turns = 4
     c.agent.max_prompt_tokens = 512
-    c.agent.max_response_tokens = 256
+    c.agent.max_response_tokens = 384
     c.reward.overlong_buffer = 64
     c.sandbox.workers = 2
     c.algo.group_size = 4

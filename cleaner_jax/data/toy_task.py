@@ -57,3 +57,41 @@ def correct_code(expr: str) -> str:
 
 def answer_text(stdout_value: str) -> str:
     return f"The tool printed {stdout_value}. The answer is \\boxed{{{stdout_value}}}."
+
+
+class ToyTeacher:
+    """A scripted `Generate` policy that solves one toy problem like a careful student.
+
+    First turn: a tool call (buggy with probability `error_rate`); after a failed call: the
+    correct call; after a successful call: the boxed answer read from the tool's stdout. Its
+    episodes, run through the real agent loop and sandbox, are the warm-start demonstrations —
+    token for token what the policy will later see and produce.
+    """
+
+    def __init__(self, tokenizer, problem: Problem, rng: random.Random, error_rate: float) -> None:
+        self.tokenizer = tokenizer
+        self.expr = expression_of(problem)
+        self.first_is_buggy = rng.random() < error_rate
+        self.rng = rng
+        self.calls = 0
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.tokenizer.eos_token_id]
+
+    async def __call__(self, input_ids: list[int], sampling: dict):
+        from cleaner_jax.rollout.protocol import GenOutput
+
+        self.calls += 1
+        tail = self.tokenizer.decode(input_ids[-400:], skip_special_tokens=False)
+        last_obs = tail.rsplit("<tool_response>", 1)[-1] if "<tool_response>" in tail else None
+        if last_obs is None:
+            code = buggy_code(self.expr, self.rng) if self.first_is_buggy else correct_code(self.expr)
+            text = "Let me compute it.\n" + tool_call_text(code)
+        elif "Tool call success" in last_obs and "stdout: " in last_obs:
+            value = last_obs.split("stdout: ", 1)[1].split("\n", 1)[0].strip()
+            text = answer_text(value)
+        else:
+            text = "The code failed. Let me fix it.\n" + tool_call_text(correct_code(self.expr))
+        ids = self._ids(text)[: int(sampling["max_new_tokens"])]
+        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+        return GenOutput(ids, [0.0] * len(ids), finish, matched_stop=ids[-1] if finish == "stop" else None)
