@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from typing import Any, Protocol
 
 from cleaner_jax.chat.hermes import ToolCall, lenient_json_loads
@@ -67,14 +68,6 @@ async def invoke_call(call: ToolCall, executor: ToolExecutor, tool_names: frozen
         return ToolResult(EXCEPTION_TEXT, INFRA_LABEL, infra=True)
 
 
-def truncate_middle(text: str, max_chars: int) -> str:
-    """The loop's truncation (side `middle`): head + `...(truncated)...` + tail."""
-    if len(text) <= max_chars:
-        return text
-    half = max_chars // 2
-    return text[:half] + "...(truncated)..." + text[-half:]
-
-
 class SandboxExecutor:
     """`ToolExecutor` over a `cleaner_jax.tools.sandbox.Sandbox` (stdin always empty)."""
 
@@ -86,10 +79,12 @@ class SandboxExecutor:
         self.error_labels = error_labels
 
     async def execute(self, code: str) -> ToolResult:
-        from cleaner_jax.tools.observation import format_observation
+        from cleaner_jax.tools.observation import format_observation, truncate_middle
 
         result = await self.sandbox.arun(code)
-        full = format_observation(result, mode=self.observation_mode, max_chars=None)
+        # Labels come from the untruncated text (the authors' statistics); the model sees the
+        # truncated one (what SAAR's failure test reads; truncation keeps the header).
+        full = format_observation(result, mode=self.observation_mode, max_chars=sys.maxsize)
         shown = truncate_middle(full, self.max_chars)
         infra = result.status == "infra"
         label = INFRA_LABEL if infra else failure_label(full, self.error_labels)

@@ -1,0 +1,84 @@
+"""Per-step tool and SAAR metrics: a pure function of the step's episodes.
+
+The authors' set (research/open_cleaner.md §2.8) with one deliberate fix: failure reasons count
+failures, not trajectories having the label (§9.17). Added: tool calls and errors per
+trajectory in the raw and the purified trajectories, the share of SAAR-spliced policy tokens,
+purified-trajectory share, similarity mean, tokens removed/inserted, infra failures.
+The authors' run-cumulative `tool_calls/global_success_rate` needs state across steps; the
+trainer accumulates `tool_calls/all_attempts` and `tool_calls/all_successes` for it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cleaner_jax.agent.trajectory import Episode
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0
+
+
+def step_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    n = len(episodes)
+    if n == 0:
+        raise ValueError("step_metrics needs at least one episode")
+    stats = [e.stats for e in episodes]
+    first_total = sum(s.first_attempt_total for s in stats)
+    first_ok = sum(s.first_attempt_success for s in stats)
+    all_total = sum(s.tool_call_total for s in stats)
+    all_ok = sum(s.tool_call_success for s in stats)
+    triggered = sum(s.triggered for s in stats)
+    recovered = sum(s.recovered for s in stats)
+    out: dict[str, float] = {
+        # authors: first-attempt numbers when there are any, else all attempts
+        "tool_calls/total_attempts": float(first_total if first_total else all_total),
+        "tool_calls/success_rate": _ratio(first_ok, first_total) if first_total else _ratio(all_ok, all_total),
+        "tool_calls/all_attempts": float(all_total),
+        "tool_calls/all_successes": float(all_ok),
+        "tool_calls/infra_failures": float(sum(s.infra_failures for s in stats)),
+        "rollback/global_triggered": float(triggered),
+        "rollback/global_recovered": float(recovered),
+        "rollback/global_failed": float(sum(s.failed for s in stats)),
+        "rollback/rollback_full_turn_count": float(sum(s.full_turn for s in stats)),
+        "rollback/rollback_tool_call_only_count": float(sum(s.call_only for s in stats)),
+        "rollback/global_recovery_rate": _ratio(recovered, triggered),
+    }
+    for s in stats:
+        for label, count in s.failure_reasons.items():
+            key = f"tool_calls/failure_reason/{label}"
+            out[key] = out.get(key, 0.0) + count
+
+    raw_calls = raw_errors = pure_calls = pure_errors = 0
+    policy_tokens = spliced_tokens = purified_trajs = 0
+    removed = inserted = 0
+    sims: list[float] = []
+    for e in episodes:
+        obs = [s for s in e.raw.segments if s.kind == "obs"]
+        raw_calls += len(obs)
+        raw_errors += sum(s.tool_failed for s in obs)
+        kept = [s for s in e.purified.segments if s.kind == "obs"]
+        pure_calls += len(kept)
+        pure_errors += sum(s.tool_failed for s in kept)
+        policy = e.purified.loss_mask.astype(bool)
+        policy_tokens += int(policy.sum())
+        spliced_tokens += int((policy & e.purified.spliced).sum())
+        purified_trajs += int(e.purified.spliced.any())
+        removed += sum(ev.tokens_removed for ev in e.events)
+        inserted += sum(ev.tokens_inserted for ev in e.events)
+        sims += [s for ev in e.events for s in ev.similarities if s is not None]
+    out.update({
+        "tool_calls/per_trajectory_raw": raw_calls / n,
+        "tool_calls/per_trajectory_purified": pure_calls / n,
+        "errors/per_trajectory_raw": raw_errors / n,
+        "errors/per_trajectory_purified": pure_errors / n,
+        "saar/spliced_token_fraction": _ratio(spliced_tokens, policy_tokens),
+        "saar/purified_trajectory_fraction": purified_trajs / n,
+        "saar/drawn_on_fraction": sum(e.saar_drawn_on for e in episodes) / n,
+        "saar/tokens_removed_per_trajectory": removed / n,
+        "saar/tokens_inserted_per_trajectory": inserted / n,
+        "saar/similarity_mean": float(np.mean(sims)) if sims else 0.0,
+        "saar/similarity_count": float(len(sims)),
+    })
+    return out
