@@ -1,0 +1,68 @@
+"""Trajectory dumps: episodes as JSON lines, and back.
+
+Only the raw record is stored (plus events, stats and rewards); loading rebuilds the purified
+trajectory with `saar.purify`, so a dump can never disagree with the purification rules, and
+an old dump can be re-purified after a rule changes. One file per training step:
+`<workdir>/trajectories/step_000012.jsonl`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cleaner_jax.agent.trajectory import Episode, RawTrajectory, SaarEvent, Segment, ToolStats
+from cleaner_jax.saar.purify import purify
+
+
+def episode_to_dict(ep: Episode, **extra: Any) -> dict[str, Any]:
+    """A JSON-able dict; `extra` (problem uid, reward, ...) is stored alongside."""
+    return {
+        "prompt_ids": list(ep.raw.prompt_ids),
+        "segments": [dataclasses.asdict(s) for s in ep.raw.segments],
+        "events": [dataclasses.asdict(e) for e in ep.events],
+        "stats": dataclasses.asdict(ep.stats),
+        "termination": ep.termination,
+        "saar_drawn_on": ep.saar_drawn_on,
+        "num_turns": ep.num_turns,
+        "truncated_to": len(ep.purified.response_ids) if ep.purified.truncated else None,
+        **extra,
+    }
+
+
+def _tuples(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+
+
+def episode_from_dict(d: dict[str, Any]) -> Episode:
+    raw = RawTrajectory(tuple(d["prompt_ids"]), tuple(Segment(**_tuples(s)) for s in d["segments"]))
+    purified = purify(raw)
+    if d["truncated_to"] is not None:
+        purified = purified.truncate(d["truncated_to"])
+    return Episode(raw, purified, tuple(SaarEvent(**_tuples(e)) for e in d["events"]), ToolStats(**d["stats"]),
+                   d["termination"], d["saar_drawn_on"], d["num_turns"])
+
+
+def write_episodes(path: str | Path, episodes: Sequence[Episode], extras: Sequence[dict[str, Any]] | None = None) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    extras = extras or [{}] * len(episodes)
+    if len(extras) != len(episodes):
+        raise ValueError(f"write_episodes: {len(extras)} extras for {len(episodes)} episodes")
+    with p.open("w", encoding="utf-8") as f:
+        for ep, extra in zip(episodes, extras):
+            f.write(json.dumps(episode_to_dict(ep, **extra)) + "\n")
+    return p
+
+
+def read_episodes(path: str | Path) -> Iterable[tuple[Episode, dict[str, Any]]]:
+    """(episode, the whole stored dict) per line."""
+    with Path(path).open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            d = json.loads(line)
+            try:
+                yield episode_from_dict(d), d
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{path}:{line_no}: not a valid episode record ({err})") from err
