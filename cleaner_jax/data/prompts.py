@@ -39,21 +39,6 @@ NOTOOL_SUBMIT = (
 )
 GPQA_SUFFIX = "\n Here you need to put the final uppercase letter option of this problem into \\boxed{}"
 
-# The one tool the authors register (rstar_code_judge.yaml).
-CODE_INTERPRETER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "code_interpreter",
-        "description": "A tool for executing code.",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "The code to execute."}},
-            "required": ["code"],
-        },
-    },
-}
-
-
 def math_eval_prompt(problem: str, *, tool: bool = True) -> str:
     """AIME/AMC/MATH evaluation prompt (tool variant = P1 + problem + P2 + AGENT + ANSWER)."""
     return MATH1 + problem + (MATH2 + AGENT if tool else "") + ANSFMT
