@@ -1,0 +1,385 @@
+"""Batched JAX generation over the NNX Qwen model, with a token-level prefix cache.
+
+One call of `Engine.generate_batch` runs a batch of requests of different lengths:
+
+1. each prompt is matched against the prefix cache; the reused KV is copied into its row;
+2. the uncached rest of every prompt is prefilled in one right-padded forward (jitted), which
+   also samples the first token;
+3. a jitted `lax.while_loop` decodes up to `decode_chunk` tokens per call until every row has
+   stopped, so Python runs once per chunk, not once per token (and aborts are seen between chunks);
+4. every row's KV (prompt + output[:-1]) goes back into the prefix cache.
+
+Shapes are padded to power-of-two buckets (batch, prompt, cache) so XLA compiles rarely.
+Sampling semantics are SGLang's (see sampling.py and research/sglang.md §1.3, §3.3).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cleaner_jax.models import qwen
+from cleaner_jax.rollout import sampling
+from cleaner_jax.rollout.prefix_cache import PrefixCache
+from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def read_eos_ids(model_path: str | Path) -> tuple[int, ...]:
+    """EOS ids of a checkpoint: config.json's and generation_config.json's, merged (as SGLang)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        f = Path(model_path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))
+
+
+def read_default_sampling(model_path: str | Path) -> SamplingParams:
+    """SGLang's default sampling: generation_config.json's temperature/top_p/top_k/min_p if set."""
+    f = Path(model_path) / "generation_config.json"
+    gen = json.loads(f.read_text()) if f.exists() else {}
+    keys = ("temperature", "top_p", "top_k", "min_p")
+    return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
+
+
+class RowParams(NamedTuple):
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_p: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32, <= 0 = all
+    min_p: jax.Array  # [B] float32
+    max_new: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, M] int32, -1 = unused
+    prompt_temp: jax.Array  # [B] float32 temperature of prompt log-probs, 0 = raw (SGLang)
+
+
+class DecodeState(NamedTuple):
+    cache: qwen.KVCache
+    last: jax.Array  # [B] int32: latest sampled token, not yet in the cache
+    done: jax.Array  # [B] bool
+    count: jax.Array  # [B] int32: tokens generated so far
+    keys: jax.Array  # [B] PRNG keys, one stream per row
+
+
+def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)  # [B]
+
+
+class Engine:
+    """A loaded model plus compiled prefill/decode programs and a prefix cache.
+
+    Thread-safe: one batch runs at a time; weight updates and cache flushes wait for it.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_batch: int = 64,
+        decode_chunk: int = 32,
+        prefix_cache_tokens: int = 1 << 17,
+        seed: int = 0,
+    ) -> None:
+        self.model_path = str(model_path)
+        model = qwen.from_pretrained(model_path, dtype=dtype)
+        self.config = model.config
+        self.dtype = dtype
+        self._graphdef, self._state = nnx.split(model)
+        self.eos_ids = read_eos_ids(model_path)
+        self.default_sampling = read_default_sampling(model_path)
+        self.vocab_size = self.config.vocab_size
+        self.context_length = self.config.max_position_embeddings
+        self.max_batch = max_batch
+        self.decode_chunk = decode_chunk
+        self.weight_version = "default"
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._lock = threading.Lock()
+        self._abort_lock = threading.Lock()
+        self._aborted: set[str] = set()
+        self._seeds = np.random.default_rng(seed)
+        graphdef = self._graphdef
+        self._prefill = jax.jit(
+            lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: _prefill(
+                graphdef, state, cache, tokens, mask, params, seeds, want_prompt_lp
+            ),
+            static_argnums=(6,),
+        )
+        self._decode = jax.jit(
+            lambda state, ds, params, chunk: _decode(graphdef, state, ds, params, chunk),
+            static_argnums=(3,),
+            donate_argnums=(1,),
+        )
+
+    # ----------------------------------------------------------------------------- weights
+
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None) -> None:
+        """Load an HF directory of the same architecture in place, then flush the prefix cache."""
+        model = qwen.from_pretrained(model_path, dtype=self.dtype)
+        if model.config != self.config:
+            raise ValueError(
+                f"checkpoint {model_path} has config {model.config}, the served model has "
+                f"{self.config}; only same-architecture updates are supported"
+            )
+        graphdef, state = nnx.split(model)
+        self.load_state(state, weight_version, model_path=str(model_path))
+
+    def load_state(self, state: Any, weight_version: str | None, model_path: str | None = None) -> None:
+        """In-memory weight update (an `nnx.State` of the same model); flushes the prefix cache."""
+        with self._lock:
+            if jax.tree.structure(state) != jax.tree.structure(self._state):
+                raise ValueError("load_state: the new state's tree does not match the served model's")
+            self._state = state
+            self.prefix_cache.clear()
+            if weight_version is not None:
+                self.weight_version = weight_version
+            if model_path is not None:
+                self.model_path = model_path
+
+    def flush_cache(self) -> None:
+        with self._lock:
+            self.prefix_cache.clear()
+
+    def abort(self, rid: str) -> None:
+        """Stop request `rid` at the next chunk boundary; it returns with finish type "abort"."""
+        with self._abort_lock:
+            self._aborted.add(rid)
+
+    def _take_aborted(self, rids: list[str]) -> set[str]:
+        with self._abort_lock:
+            hit = self._aborted.intersection(rids)
+            self._aborted.difference_update(hit)
+            return hit
+
+    # ------------------------------------------------------------------------- validation
+
+    def validate(self, req: GenRequest) -> None:
+        """Raise ValueError (→ HTTP 400) for inputs SGLang rejects, and out-of-range ids."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("input_ids cannot be empty.")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside [0, {self.vocab_size}): {bad[:8]}")
+        if n >= self.context_length:
+            raise ValueError(
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        total = n + req.sampling.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of {total} tokens: {n} tokens "
+                f"from the input messages and {req.sampling.max_new_tokens} tokens for the "
+                f"completion. Please reduce the number of tokens in the input messages or the "
+                f"completion to fit within the limit."
+            )
+        if req.logprob_start_len > n:
+            raise ValueError(
+                f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input "
+                f"tokens len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len."
+            )
+        if req.sampling.stop:
+            raise ValueError("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
+
+    # ------------------------------------------------------------------------- generation
+
+    def generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """Complete every request in one padded batch (len(reqs) <= max_batch)."""
+        if not 0 < len(reqs) <= self.max_batch:
+            raise ValueError(f"generate_batch takes 1..{self.max_batch} requests, got {len(reqs)}")
+        for req in reqs:
+            self.validate(req)
+        with self._lock:
+            return self._generate_locked(reqs)
+
+    def _stop_ids(self, s: SamplingParams) -> list[int]:
+        if s.ignore_eos:  # SGLang: ignore_eos disables every token-based stop
+            return []
+        return sorted(set(self.eos_ids) | set(s.stop_token_ids))
+
+    def _generate_locked(self, reqs: list[GenRequest]) -> list[GenResult]:
+        n_req = len(reqs)
+        b = bucket(n_req, 1)
+        cached = np.zeros(b, np.int32)
+        entries = []
+        for i, req in enumerate(reqs):
+            # The last prompt token is always recomputed (its logits start the output); with
+            # prompt log-probs from `s`, logits from position s on are needed (SGLang's rule).
+            s = req.logprob_start_len
+            limit = len(req.input_ids) - 1 if s < 0 else min(s, len(req.input_ids) - 1)
+            entry, cached[i] = self.prefix_cache.lookup(req.input_ids, limit)
+            entries.append(entry if cached[i] > 0 else None)
+        rem = [len(r.input_ids) - int(c) for r, c in zip(reqs, cached)]
+        t = bucket(max(rem), 16)
+        s_len = bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs) + 1, 64)
+        s_len = max(s_len, bucket(int(cached.max()) + t, 64))
+        stop_lists = [self._stop_ids(r.sampling) for r in reqs]
+        m = max(1, max(len(x) for x in stop_lists))
+        tokens = np.zeros((b, t), np.int32)
+        mask = np.zeros((b, t), np.int32)
+        stop_ids = np.full((b, m), -1, np.int32)
+        temp = np.zeros(b, np.float32)
+        top_p = np.ones(b, np.float32)
+        top_k = np.full(b, -1, np.int32)
+        min_p = np.zeros(b, np.float32)
+        max_new = np.zeros(b, np.int32)
+        prompt_temp = np.zeros(b, np.float32)
+        seeds = self._seeds.integers(0, 2**31 - 1, size=b).astype(np.uint32)
+        for i, req in enumerate(reqs):
+            rest = req.input_ids[cached[i]:]
+            tokens[i, : len(rest)] = rest
+            mask[i, : len(rest)] = 1
+            stop_ids[i, : len(stop_lists[i])] = stop_lists[i]
+            sp = req.sampling
+            temp[i], top_p[i], top_k[i], min_p[i] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+            max_new[i] = sp.max_new_tokens
+            prompt_temp[i] = req.prompt_logprob_temperature
+            if sp.sampling_seed is not None:
+                seeds[i] = sp.sampling_seed % (2**32)
+        mask[n_req:, 0] = 1  # padding rows: one dummy token, nothing generated
+        params = RowParams(*(jnp.asarray(x) for x in (temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)))
+
+        cache = qwen.init_cache(self.config, b, s_len)
+        k, v = cache.k, cache.v
+        for i, entry in enumerate(entries):
+            if entry is not None:
+                k, v = _write_row(k, v, entry.k, entry.v, jnp.int32(i))
+        cache = qwen.KVCache(k, v, jnp.asarray(cached))
+        want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
+        ds, first_lp, prompt_lp = self._prefill(
+            self._state, cache, jnp.asarray(tokens), jnp.asarray(mask), params, jnp.asarray(seeds),
+            want_prompt_lp,
+        )
+        first_tok, first_lp, done = jax.device_get((ds.last, first_lp, ds.done))
+        out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(n_req)]
+        out_lps = [[float(first_lp[i])] if max_new[i] > 0 else [] for i in range(n_req)]
+        rids = [r.rid for r in reqs]
+        aborted: set[str] = set()
+        while not done.all():
+            aborted |= self._take_aborted(rids)
+            if aborted:
+                abort_rows = np.array([r in aborted for r in rids] + [False] * (b - n_req))
+                ds = ds._replace(done=ds.done | jnp.asarray(abort_rows))
+            ds, chunk_tok, chunk_lp, steps = self._decode(self._state, ds, params, self.decode_chunk)
+            chunk_tok, chunk_lp, steps, done = jax.device_get((chunk_tok, chunk_lp, steps, ds.done))
+            for i in range(n_req):
+                row = chunk_tok[i, :steps]
+                keep = row >= 0
+                out_ids[i].extend(int(x) for x in row[keep])
+                out_lps[i].extend(float(x) for x in chunk_lp[i, :steps][keep])
+        self._take_aborted(rids)  # an abort that arrived after its row finished is moot
+        lengths = np.asarray(jax.device_get(ds.cache.lengths))
+
+        results = []
+        for i, req in enumerate(reqs):
+            ids = out_ids[i]
+            if req.rid in aborted:
+                finish, matched = "abort", None
+            elif len(ids) >= req.sampling.max_new_tokens:
+                finish, matched = "length", None
+            else:
+                finish, matched = "stop", ids[-1]
+            input_lps: list[float | None] = []
+            if req.logprob_start_len >= 0:  # SGLang: the first entry is always null
+                lp_row = np.asarray(prompt_lp[i])
+                for pos in range(req.logprob_start_len, len(req.input_ids)):
+                    first = pos == req.logprob_start_len
+                    input_lps.append(None if first else float(lp_row[pos - 1 - cached[i]]))
+            results.append(GenResult(
+                rid=req.rid, output_ids=ids, output_logprobs=out_lps[i], finish_type=finish,
+                matched=matched, prompt_tokens=len(req.input_ids), cached_tokens=int(cached[i]),
+                weight_version=self.weight_version, input_logprobs=input_lps,
+            ))
+            kv_tokens = np.asarray(list(req.input_ids) + ids, np.int32)[: int(lengths[i])]
+            if len(kv_tokens) > 0:
+                ek, ev = _read_row(ds.cache.k, ds.cache.v, jnp.int32(i), bucket(len(kv_tokens), 16))
+                self.prefix_cache.insert(kv_tokens, ek, ev)
+        return results
+
+
+# ------------------------------------------------------------------ jitted programs
+
+
+def _prefill(graphdef, state, cache, tokens, mask, params: RowParams, seeds, want_prompt_lp: bool):
+    """Forward the uncached prompt tails [B, T] and sample each row's first token."""
+    model = nnx.merge(graphdef, state)
+    b = tokens.shape[0]
+    logits, cache = model(tokens, attention_mask=mask, cache=cache)  # [B, T, V]
+    last = logits[jnp.arange(b), mask.sum(-1) - 1]  # [B, V]
+    keys = jax.vmap(jax.random.key)(seeds)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
+    tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)
+    count = (params.max_new > 0).astype(jnp.int32)
+    done = (params.max_new <= 1) | _is_stop(tok, params.stop_ids)
+    # SGLang's prompt log-probs are untempered whatever the request's temperature (prompt_temp 0).
+    prompt_lp = sampling.next_token_logprobs(logits, tokens, params.prompt_temp) if want_prompt_lp else None
+    return DecodeState(cache, tok, done, count, keys), lp, prompt_lp
+
+
+def _decode(graphdef, state, ds: DecodeState, params: RowParams, chunk: int):
+    """Up to `chunk` decode steps in one while_loop; finished rows emit -1 and stay frozen."""
+    model = nnx.merge(graphdef, state)
+    b = ds.last.shape[0]
+
+    def cond(carry):
+        i, st, _, _ = carry
+        return (i < chunk) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st, out_tok, out_lp = carry
+        active = ~st.done
+        logits, cache = model(st.last[:, None], attention_mask=active[:, None].astype(jnp.int32), cache=st.cache)
+        step_keys = jax.vmap(jax.random.fold_in)(st.keys, st.count)
+        tok, lp = sampling.sample_tokens(
+            step_keys, logits[:, 0], params.temperature, params.top_p, params.top_k, params.min_p
+        )
+        count = st.count + active.astype(jnp.int32)
+        done = st.done | (active & (_is_stop(tok, params.stop_ids) | (count >= params.max_new)))
+        out_tok = out_tok.at[:, i].set(jnp.where(active, tok, -1))
+        out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
+        last = jnp.where(active, tok, st.last)
+        return i + 1, DecodeState(cache, last, done, count, st.keys), out_tok, out_lp
+
+    init = (jnp.int32(0), ds, jnp.full((b, chunk), -1, jnp.int32), jnp.zeros((b, chunk), jnp.float32))
+    steps, ds, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+    return ds, out_tok, out_lp, steps
+
+
+@jax.jit
+def _write_row(cache_k, cache_v, entry_k, entry_v, row):
+    """Copy a prefix-cache entry [L, P, KV, hd] into batch row `row` of [L, B, S, KV, hd]."""
+    n = min(entry_k.shape[1], cache_k.shape[2])
+    start = (0, row, 0, 0, 0)
+    k = jax.lax.dynamic_update_slice(cache_k, entry_k[:, None, :n].astype(cache_k.dtype), start)
+    v = jax.lax.dynamic_update_slice(cache_v, entry_v[:, None, :n].astype(cache_v.dtype), start)
+    return k, v
+
+
+def _read_row(cache_k, cache_v, row, size: int):
+    size = min(size, cache_k.shape[2])
+    return _read_row_jit(cache_k, cache_v, row, size)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _read_row_jit(cache_k, cache_v, row, size: int):
+    k = jax.lax.dynamic_index_in_dim(cache_k, row, axis=1, keepdims=False)[:, :size]
+    v = jax.lax.dynamic_index_in_dim(cache_v, row, axis=1, keepdims=False)[:, :size]
+    return k, v

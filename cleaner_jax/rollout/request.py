@@ -1,0 +1,136 @@
+"""Generation requests and results of the engine, and SGLang `sampling_params` validation.
+
+The engine, the batching scheduler and the HTTP server share these types; the server turns a
+`ValueError` raised here into SGLang's HTTP 400 `{"error": {"message": ...}}`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+# Every key SGLang 0.5.23 accepts in `sampling_params` (research/sglang.md §3.2). Keys we do not
+# implement are accepted only at their no-op default, so a request never silently changes meaning.
+_IMPLEMENTED = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "sampling_seed",
+    "stop", "min_new_tokens",
+}
+_NOOP_DEFAULTS: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "stop_regex": None,
+    "logit_bias": None, "stream_interval": None, "custom_params": None, "beam_width": None,
+    "watermark": None, "choice": None,
+}
+ALLOWED_SAMPLING_KEYS = frozenset(_IMPLEMENTED | set(_NOOP_DEFAULTS))
+# SGLang 0.5.23's own list, in its order, for its "unknown field" message.
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias",
+    "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)
+
+
+class UnknownFieldError(ValueError):
+    """A sampling_params key SGLang does not know: 400 `{"error": "unknown field ..."}`."""
+
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Validated SGLang sampling parameters (temperature 0 = greedy; top_k <= 0 = no top-k)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+
+def parse_sampling(raw: dict[str, Any] | None, defaults: SamplingParams) -> SamplingParams:
+    """Validate a `sampling_params` dict like SGLang does; raise ValueError with the reason."""
+    raw = dict(raw or {})
+    unknown = [k for k in raw if k not in ALLOWED_SAMPLING_KEYS]
+    if unknown:
+        allowed = ", ".join(f"`{k}`" for k in SGLANG_SAMPLING_KEYS)
+        raise UnknownFieldError(f"unknown field `{unknown[0]}`, expected one of {allowed}")
+    for key, noop in _NOOP_DEFAULTS.items():
+        if key in raw and raw[key] not in (noop, None):
+            raise ValueError(f"sampling_params.{key}={raw[key]!r} is not supported by this server")
+    if raw.get("min_new_tokens", 0) not in (0, None):
+        raise ValueError("sampling_params.min_new_tokens > 0 is not supported by this server")
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(SamplingParams):
+        if field.name in raw and raw[field.name] is not None:
+            values[field.name] = raw[field.name]
+    params = dataclasses.replace(defaults, **values)
+    stop = params.stop
+    params = dataclasses.replace(
+        params,
+        stop_token_ids=tuple(int(t) for t in params.stop_token_ids),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        max_new_tokens=int(params.max_new_tokens),
+        top_k=int(params.top_k),
+        n=int(params.n),
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        min_p=float(params.min_p),
+    )
+    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
+        raise ValueError(f"temperature must be a non-negative finite number, got {raw['temperature']}.")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {params.top_k}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+    if params.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {params.max_new_tokens}")
+    if params.n < 1:
+        raise ValueError(f"n must be at least 1, got {params.n}")
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class GenRequest:
+    """One prompt to complete. `logprob_start_len >= 0` also asks for prompt log-probs from there.
+
+    Prompt log-probs are untempered in SGLang (measured); `prompt_logprob_temperature > 0` is an
+    in-process extension that scores them under log_softmax(logits / T) instead.
+    """
+
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    rid: str
+    logprob_start_len: int = -1
+    prompt_logprob_temperature: float = 0.0
+
+
+@dataclasses.dataclass
+class GenResult:
+    """One completion. `output_logprobs` always present (SGLang semantics, see sampling.py).
+
+    `input_logprobs[i]` is log p(input_ids[logprob_start_len + i] | earlier tokens), except that
+    the first entry is always None (SGLang's form); empty when prompt log-probs were not asked for.
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_type: FinishType
+    matched: int | str | None  # stop token id or stop string when finish_type == "stop"
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+    input_logprobs: list[float | None] = dataclasses.field(default_factory=list)

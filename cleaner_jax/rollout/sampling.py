@@ -1,0 +1,87 @@
+"""Next-token sampling with SGLang's log-prob semantics, as pure jittable functions.
+
+SGLang reports `log_softmax(logits / T)` of the sampled token, taken *before* top-p / top-k /
+min-p truncation, and raw `log_softmax(logits)` for greedy (`T == 0`) requests
+(research/sglang.md §1.3). The learner recomputes exactly this quantity, so the engine must not
+renormalise over the truncated support when it reports log-probs.
+
+All functions work on a batch of rows, each with its own sampling parameters:
+`temperature`, `top_p`, `min_p` are float `[B]`, `top_k` is int `[B]` with `<= 0` meaning "all".
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def scaled_logprobs(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """`log_softmax(logits / T)` per row; rows with `T == 0` (greedy) use raw logits.
+
+    logits: [B, V] (or [B, T, V] with temperature [B]); returns float32 of the same shape.
+    """
+    logits = logits.astype(jnp.float32)
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    t = t.reshape(t.shape + (1,) * (logits.ndim - 1))
+    return jax.nn.log_softmax(logits / t, axis=-1)
+
+
+def truncation_mask(
+    logprobs: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """Tokens that survive top-k, then top-p, then min-p, given tempered log-probs [B, V].
+
+    Conventions follow SGLang's torch sampler: top-k keeps the k most likely tokens; top-p keeps
+    a token when the mass of the strictly more likely tokens (of the full distribution) is at
+    most `top_p`, so the token crossing the threshold is kept; min-p keeps `p >= min_p * p_max`. The most likely
+    token always survives. Returns bool [B, V].
+    """
+    vocab = logprobs.shape[-1]
+    order = jnp.argsort(-logprobs, axis=-1)  # [B, V] token ids, most likely first
+    sorted_lp = jnp.take_along_axis(logprobs, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    keep_sorted = rank < k
+    probs = jnp.exp(sorted_lp)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, V] mass of strictly better tokens
+    keep_sorted &= mass_before <= top_p[:, None]
+    keep_sorted &= sorted_lp >= sorted_lp[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(keep_sorted, inverse, axis=-1)
+
+
+def sample_tokens(
+    keys: jax.Array,
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    min_p: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row; return (tokens [B] int32, their reported log-probs [B] float32).
+
+    `keys` is one PRNG key per row [B], so a row's draw does not depend on its batch-mates.
+    Greedy rows (`T == 0`) take the argmax. Sampled rows draw from the truncated, renormalised
+    tempered distribution; the reported log-prob is the *untruncated* tempered one.
+    """
+    logprobs = scaled_logprobs(logits, temperature)  # [B, V]
+    keep = truncation_mask(logprobs, top_p, top_k, min_p)
+    masked = jnp.where(keep, logprobs, -jnp.inf)
+    sampled = jax.vmap(jax.random.categorical)(keys, masked)
+    greedy = jnp.argmax(logprobs, axis=-1)
+    tokens = jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen
+
+
+def next_token_logprobs(
+    logits: jax.Array, input_ids: jax.Array, temperature: jax.Array
+) -> jax.Array:
+    """Log-prob of each following input token: out[b, t] = log p(input_ids[b, t+1] | ≤ t).
+
+    logits: [B, T, V] from a forward over input_ids [B, T]; returns [B, T] float32 whose last
+    column is meaningless (there is no following token); callers slice what they need.
+    """
+    logprobs = scaled_logprobs(logits, temperature)  # [B, T, V]
+    following = jnp.concatenate([input_ids[:, 1:], input_ids[:, :1]], axis=1)
+    return jnp.take_along_axis(logprobs, following[..., None], axis=-1)[..., 0]

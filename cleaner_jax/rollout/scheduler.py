@@ -1,0 +1,173 @@
+"""Collect concurrent requests for a few milliseconds and run them through the engine as one batch.
+
+The agent loop calls generation from many asyncio tasks at once, and the HTTP server receives
+requests one by one; batching them is where the engine's speed comes from. A worker thread owns
+the engine calls, so event loops (the server's, the trainer's, a test's `asyncio.run`) never
+block on XLA and any number of loops may submit.
+
+`EngineGenerate` adapts this to the `Generate` protocol of rollout/protocol.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+from cleaner_jax.rollout.engine import Engine
+from cleaner_jax.rollout.protocol import GenOutput
+from cleaner_jax.rollout.request import GenRequest, GenResult, parse_sampling
+
+_Item = tuple[GenRequest, concurrent.futures.Future]
+
+
+class BatchScheduler:
+    """Runs submitted `GenRequest`s on a worker thread in batches of up to `engine.max_batch`."""
+
+    def __init__(self, engine: Engine, *, max_wait_s: float = 0.005) -> None:
+        self.engine = engine
+        self.max_wait_s = max_wait_s
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="engine-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        """Queue `req` (validated now, so bad input fails fast); the future yields a GenResult."""
+        if self._closed:
+            raise RuntimeError("BatchScheduler is closed")
+        self.engine.validate(req)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending[req.rid] = fut
+        self._queue.put((req, fut))
+        return fut
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        return await asyncio.wrap_future(self.submit(req))
+
+    def abort(self, rid: str) -> None:
+        """Abort a queued or running request: it completes with finish type "abort"."""
+        with self._pending_lock:
+            known = rid in self._pending
+        if known:
+            self.engine.abort(rid)
+
+    def abort_all(self) -> None:
+        with self._pending_lock:
+            rids = list(self._pending)
+        for rid in rids:
+            self.engine.abort(rid)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    @property
+    def num_pending(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def _collect(self, first: _Item) -> tuple[list[_Item], bool]:
+        batch, stop = [first], False
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.engine.max_batch:
+            timeout = deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=max(timeout, 0)) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            batch.append(item)
+        return batch, stop
+
+    def _worker(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch, stop = self._collect(first)
+            live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+            try:
+                results = self.engine.generate_batch([r for r, _ in live]) if live else []
+            except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
+                for _, fut in live:
+                    fut.set_exception(exc)
+            else:
+                for (_, fut), res in zip(live, results):
+                    fut.set_result(res)
+            finally:
+                with self._pending_lock:
+                    for req, _ in batch:
+                        self._pending.pop(req.rid, None)
+        for _, fut in self._drain():
+            fut.set_exception(RuntimeError("BatchScheduler closed before the request ran"))
+
+    def _drain(self) -> list[_Item]:
+        items = []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
+
+
+class EngineGenerate:
+    """In-process `Generate`: `await gen(input_ids, sampling) -> GenOutput` (with log-probs)."""
+
+    def __init__(self, scheduler: BatchScheduler) -> None:
+        self.scheduler = scheduler
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: Engine, **scheduler_kwargs: Any) -> "EngineGenerate":
+        return cls(BatchScheduler(engine, **scheduler_kwargs))
+
+    async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
+        params = parse_sampling(sampling, self.scheduler.engine.default_sampling)
+        if params.n != 1:
+            raise ValueError("Generate returns one completion; call it n times instead of n>1")
+        rid = f"local-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        res = await self.scheduler.generate(GenRequest(tuple(int(t) for t in input_ids), params, rid))
+        return GenOutput(
+            output_ids=res.output_ids,
+            output_logprobs=res.output_logprobs,
+            finish_reason=res.finish_type,
+            matched_stop=res.matched if isinstance(res.matched, int) else None,
+            cached_tokens=res.cached_tokens,
+            weight_version=res.weight_version,
+        )
+
+    async def score(self, input_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """log p(input_ids[i] | <i) for i >= start (start >= 1) under log_softmax(logits / T).
+
+        Reuses the prefix cache up to `start - 1` tokens, so re-scoring an edited suffix of a
+        cached trajectory only recomputes the suffix.
+        """
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"score start {start} outside [1, {len(input_ids)})")
+        if temperature <= 0:
+            raise ValueError(f"score temperature must be positive, got {temperature}")
+        params = parse_sampling({"max_new_tokens": 0, "temperature": 0.0}, self.scheduler.engine.default_sampling)
+        rid = f"score-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = GenRequest(
+            tuple(int(t) for t in input_ids), params, rid,
+            logprob_start_len=start - 1, prompt_logprob_temperature=temperature,
+        )
+        lps = (await self.scheduler.generate(req)).input_logprobs
+        return [float(x) for x in lps[1:]]
+
+    def close(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,425 @@
+"""SGLang-native-compatible HTTP server over the JAX engine (the "Must" list of research/sglang.md §5.2).
+
+    python -m cleaner_jax.rollout.server --model-path DIR --host 127.0.0.1 --port 30000
+
+The same client code talks to this server and to real SGLang (or sglang-router), so field names,
+`finish_reason` forms, stop-token handling (kept in `output_ids`, trimmed from `text`) and error
+codes follow SGLang 0.5.23. Where SGLang crashes (out-of-vocabulary ids) this server answers 400.
+
+In-process use (tests, the toy trainer): `handle = start_server_in_thread(model_path)`, then
+`handle.url`, and `handle.stop()` when done.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from cleaner_jax.rollout.engine import Engine
+from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams, UnknownFieldError, parse_sampling
+from cleaner_jax.rollout.scheduler import BatchScheduler
+
+log = logging.getLogger(__name__)
+SERVER_VERSION = "cleaner_jax-0.1"
+
+
+class ServerState:
+    """What the handlers share: the engine once loaded, its scheduler and the tokenizer."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.scheduler: BatchScheduler | None = None
+        self.tokenizer: Any = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+
+    def attach(self, engine: Engine, max_wait_s: float = 0.005) -> None:
+        self.engine = engine
+        self.scheduler = BatchScheduler(engine, max_wait_s=max_wait_s)
+        self.tokenizer = load_tokenizer(engine.model_path)
+        self.ready.set()
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The checkpoint's tokenizer for `text`, or None (then responses carry no `text`, like
+    SGLang's --skip-tokenizer-init)."""
+    path = Path(model_path)
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _per_item(value: Any, n: int, name: str, is_batch: bool) -> list[Any]:
+    """SGLang batch fields are either one value for all items or a list with one per item."""
+    if is_batch and isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
+        return list(value)
+    return [value] * n
+
+
+@dataclasses.dataclass
+class _Item:
+    req: GenRequest
+    return_logprob: bool
+
+
+def parse_generate(body: dict[str, Any], defaults: SamplingParams) -> tuple[list[_Item], bool]:
+    """Turn a /generate body into engine requests; returns (items, is_batch). ValueError → 400."""
+    if "text" in body or "input_embeds" in body:
+        raise ValueError("this server is token-in/token-out: send input_ids (text/input_embeds unsupported)")
+    if "input_ids" not in body:
+        raise ValueError("Either text, input_ids or input_embeds should be provided.")
+    for key in ("top_logprobs_num", "token_ids_logprob"):
+        if body.get(key):
+            raise ValueError(f"{key} is not supported by this server")
+    ids = body["input_ids"]
+    if not isinstance(ids, list):
+        raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+    is_batch = bool(ids) and isinstance(ids[0], list)
+    prompts = ids if is_batch else [ids]
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("input_ids cannot be empty.")
+    sps = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
+    rids = _per_item(body.get("rid"), n, "rid", is_batch)
+    want_lp = _per_item(body.get("return_logprob", False), n, "return_logprob", is_batch)
+    starts = _per_item(body.get("logprob_start_len", -1), n, "logprob_start_len", is_batch)
+    if is_batch and any(r is not None for r in rids) and len(set(rids)) != n:
+        raise ValueError("rid must be unique within a batch")
+    items: list[_Item] = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"input_ids[{i}] must be a list of ints")
+        if not prompt:
+            raise ValueError("input_ids cannot be empty.")
+        params = parse_sampling(sps[i], defaults)
+        rid = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
+        start = int(starts[i]) if starts[i] is not None else -1
+        for j in range(params.n):
+            item_rid = rid if params.n == 1 else f"{rid}-{j}"
+            req = GenRequest(tuple(prompt), dataclasses.replace(params, n=1), item_rid, start if want_lp[i] else -1)
+            items.append(_Item(req, bool(want_lp[i])))
+    return items, is_batch or len(items) > 1
+
+
+def finish_reason_json(res: GenResult) -> dict[str, Any]:
+    if res.finish_type == "length":
+        return {"type": "length", "length": len(res.output_ids)}
+    if res.finish_type == "stop":
+        return {"type": "stop", "matched": res.matched}
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def format_result(item: _Item, res: GenResult, tokenizer: Any, latency_s: float, prompt_ids: bool) -> dict[str, Any]:
+    sp = item.req.sampling
+    out: dict[str, Any] = {}
+    if tokenizer is not None:
+        text_ids = res.output_ids
+        if res.finish_type == "stop" and isinstance(res.matched, int) and not sp.no_stop_trim:
+            text_ids = text_ids[:-1]
+        out["text"] = tokenizer.decode(
+            text_ids, skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
+    out["output_ids"] = res.output_ids
+    meta: dict[str, Any] = {
+        "id": res.rid,
+        "finish_reason": finish_reason_json(res),
+        "prompt_tokens": res.prompt_tokens,
+        "weight_version": res.weight_version,
+    }
+    if item.return_logprob:
+        meta["input_token_logprobs"] = [
+            [lp, tok, None]
+            for lp, tok in zip(res.input_logprobs, item.req.input_ids[max(item.req.logprob_start_len, 0):])
+        ]
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids)]
+        meta["output_token_logprobs_length"] = len(res.output_ids)
+    meta.update(
+        completion_tokens=len(res.output_ids), cached_tokens=res.cached_tokens, e2e_latency=latency_s
+    )
+    out["meta_info"] = meta
+    if prompt_ids:
+        out["prompt_token_ids"] = list(item.req.input_ids)
+    return out
+
+
+def build_app(state: ServerState) -> web.Application:
+    app = web.Application(client_max_size=1 << 30)
+    routes = web.RouteTableDef()
+
+    def not_ready() -> web.Response | None:
+        if state.ready.is_set():
+            return None
+        return _error(503, f"model is not loaded yet{f': {state.load_error}' if state.load_error else ''}")
+
+    @routes.get("/health")
+    async def health(_: web.Request) -> web.Response:
+        return not_ready() or web.Response(status=200)
+
+    @routes.get("/health_generate")
+    async def health_generate(_: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        req = GenRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{uuid.uuid4().hex}")
+        await state.scheduler.generate(req)
+        return web.Response(status=200)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        if (resp := not_ready()) is not None:
+            return resp
+        t0 = time.perf_counter()
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return _error(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        try:
+            items, is_batch = parse_generate(body, state.engine.default_sampling)
+            for item in items:
+                state.engine.validate(item.req)
+            futures = [state.scheduler.submit(item.req) for item in items]
+        except UnknownFieldError as exc:  # SGLang's contract-violation form: a bare string
+            return web.json_response({"error": str(exc)}, status=400)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:  # client went away: abort, as SGLang does
+            for item in items:
+                state.scheduler.abort(item.req.rid)
+            raise
+        latency = time.perf_counter() - t0
+        want_prompt = bool(body.get("return_prompt_token_ids", False))
+        outs = [format_result(i, r, state.tokenizer, latency, want_prompt) for i, r in zip(items, results)]
+        payload: Any = outs if is_batch else outs[0]
+        if not body.get("stream", False):
+            return web.json_response(payload)
+        # One cumulative chunk with the final result (SGLang chunks may skip steps), then [DONE].
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        for out in outs:
+            await stream.write(f"data: {json.dumps(out)}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    app.router.add_route("POST", "/generate", generate)
+    app.router.add_route("PUT", "/generate", generate)
+
+    def model_info() -> dict[str, Any]:
+        eng = state.engine
+        return {
+            "model_path": eng.model_path, "served_model_name": eng.model_path,
+            "tokenizer_path": eng.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": eng.weight_version,
+            "model_type": eng.config.model_type, "architectures": None,
+        }
+
+    async def get_model_info(_: web.Request) -> web.Response:
+        return not_ready() or web.json_response(model_info())
+
+    async def get_server_info(_: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        eng = state.engine
+        return web.json_response({
+            **model_info(), "version": SERVER_VERSION, "context_length": eng.context_length,
+            "vocab_size": eng.vocab_size, "max_running_requests": eng.max_batch,
+            "decode_chunk": eng.decode_chunk, "dtype": eng.dtype,
+            "internal_states": [{"prefix_cache_entries": len(eng.prefix_cache),
+                                 "prefix_cache_tokens": eng.prefix_cache.num_tokens}],
+        })
+
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, get_model_info)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, get_server_info)
+
+    @routes.get("/v1/models")
+    async def v1_models(_: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        eng = state.engine
+        card = {"id": eng.model_path, "object": "model", "owned_by": "cleaner_jax", "root": eng.model_path,
+                "max_model_len": eng.context_length}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def flush_cache(_: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
+        return web.Response(text="Cache flushed.\n")
+
+    app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache)
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        body = await request.json()
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not path:
+            return web.json_response({"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400)
+        if body.get("abort_all_requests"):
+            state.scheduler.abort_all()
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version)
+        except (OSError, ValueError, KeyError) as exc:
+            msg = f"Failed to update weights from {path}: {type(exc).__name__}: {exc}"
+            return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
+        return web.json_response({
+            "success": True, "num_paused_requests": 0,
+            "message": "Succeeded to update model weights (prefix cache flushed).",
+        })
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        body = await request.json()
+        if "new_version" not in body:
+            return _error(400, "new_version is required")
+        state.engine.weight_version = str(body["new_version"])
+        return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
+
+    @routes.post("/abort_request")
+    async def abort_request(request: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        body = await request.json()
+        if body.get("abort_all"):
+            state.scheduler.abort_all()
+        elif body.get("rid") is not None:
+            state.scheduler.abort(str(body["rid"]))
+        return web.Response(status=200)
+
+    app.add_routes(routes)
+    return app
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class ServerHandle:
+    url: str
+    state: ServerState
+    _loop: asyncio.AbstractEventLoop
+    _thread: threading.Thread
+    _runner: web.AppRunner
+
+    def stop(self) -> None:
+        """Stop serving, finish the engine's worker thread; safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut.result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self.state.close()
+
+
+def start_server_in_thread(
+    model_path: str | None = None,
+    *,
+    engine: Engine | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wait_ready: bool = True,
+    max_wait_s: float = 0.005,
+    **engine_kwargs: Any,
+) -> ServerHandle:
+    """Serve on `host:port` (0 = a free port) from a background thread; the model loads in the
+    background too, so /health answers 503 until it is ready (wait_ready blocks until then)."""
+    if (model_path is None) == (engine is None):
+        raise ValueError("pass exactly one of model_path and engine")
+    state = ServerState()
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+    up = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(build_app(state), access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, host, port)
+        loop.run_until_complete(site.start())
+        started["runner"] = runner
+        started["port"] = runner.addresses[0][1]
+        up.set()
+        loop.run_forever()
+        loop.close()
+
+    thread = threading.Thread(target=serve, name="rollout-server", daemon=True)
+    thread.start()
+    if not up.wait(timeout=60):
+        raise RuntimeError(f"rollout server did not bind {host}:{port} within 60 s")
+    handle = ServerHandle(f"http://{host}:{started['port']}", state, loop, thread, started["runner"])
+    if engine is not None:
+        state.attach(engine, max_wait_s)
+    else:
+        def load() -> None:
+            try:
+                state.attach(Engine(model_path, **engine_kwargs), max_wait_s)
+            except BaseException as exc:  # noqa: BLE001 - reported by /health and wait_ready
+                state.load_error = exc
+                log.exception("loading %s failed", model_path)
+        threading.Thread(target=load, name="rollout-load", daemon=True).start()
+    if wait_ready:
+        while not state.ready.wait(timeout=0.1):
+            if state.load_error is not None:
+                handle.stop()
+                raise RuntimeError(f"rollout server could not load {model_path}") from state.load_error
+    return handle
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--decode-chunk", type=int, default=32)
+    parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 17)
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handle = start_server_in_thread(
+        args.model_path, host=args.host, port=args.port, wait_ready=True,
+        max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, max_batch=args.max_batch,
+        decode_chunk=args.decode_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+    )
+    log.info("serving %s at %s", args.model_path, handle.url)
+    try:
+        handle._thread.join()
+    except KeyboardInterrupt:
+        handle.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Sampling math against NumPy and hand-computed examples (SGLang's conventions)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cleaner_jax.rollout import sampling
+
+
+def np_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_scaled_logprobs_tempered_and_raw_for_greedy():
+    logits = np.random.default_rng(0).normal(size=(3, 11)).astype(np.float32) * 3
+    temp = np.array([0.5, 1.0, 0.0], np.float32)
+    got = np.asarray(sampling.scaled_logprobs(jnp.asarray(logits), jnp.asarray(temp)))
+    np.testing.assert_allclose(got[0], np_log_softmax(logits[0] / 0.5), atol=1e-5)
+    np.testing.assert_allclose(got[1], np_log_softmax(logits[1]), atol=1e-5)
+    np.testing.assert_allclose(got[2], np_log_softmax(logits[2]), atol=1e-5)
+
+
+def _mask(probs, top_p=1.0, top_k=-1, min_p=0.0):
+    lp = jnp.log(jnp.asarray([probs], jnp.float32))
+    m = sampling.truncation_mask(lp, jnp.array([top_p]), jnp.array([top_k]), jnp.array([min_p]))
+    return np.asarray(m[0]).tolist()
+
+
+def test_truncation_mask_hand_examples():
+    probs = [0.15, 0.5, 0.05, 0.3]  # order by probability: 1, 3, 0, 2
+    assert _mask(probs) == [True] * 4
+    # top-p 0.7: token 1 (mass before 0), token 3 (0.5 <= 0.7) stay; token 0 (0.8) goes.
+    assert _mask(probs, top_p=0.7) == [False, True, False, True]
+    assert _mask(probs, top_p=0.85) == [True, True, False, True]  # crosses 0.85: kept
+    assert _mask(probs, top_k=1) == [False, True, False, False]
+    assert _mask(probs, top_k=3) == [True, True, False, True]
+    assert _mask(probs, min_p=0.2) == [True, True, False, True]  # keep p >= 0.1
+    assert _mask(probs, top_p=0.01) == [False, True, False, False]  # the best token always survives
+
+
+def test_sample_tokens_greedy_argmax_and_untruncated_logprob():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 32)).astype(np.float32) * 2
+    temp = np.array([0.0, 0.7, 1.0, 1.5], np.float32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    tok, lp = sampling.sample_tokens(
+        keys, jnp.asarray(logits), jnp.asarray(temp), jnp.array([1.0, 0.9, 1.0, 1.0]),
+        jnp.array([-1, -1, 4, -1]), jnp.zeros(4),
+    )
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    assert tok[0] == logits[0].argmax()
+    for b in range(4):
+        ref = np_log_softmax(logits[b] / (temp[b] if temp[b] > 0 else 1.0))
+        np.testing.assert_allclose(lp[b], ref[tok[b]], atol=1e-5)
+    assert tok[2] in np.argsort(-logits[2])[:4]
+
+
+def test_sampled_frequencies_follow_truncated_distribution():
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
+    n = 4000
+    keys = jax.random.split(jax.random.key(3), n)
+    tok, _ = jax.vmap(
+        lambda k: sampling.sample_tokens(
+            k[None], jnp.asarray(logits), jnp.ones(1), jnp.ones(1), jnp.array([2]), jnp.zeros(1)
+        )
+    )(keys)
+    counts = np.bincount(np.asarray(tok).ravel(), minlength=4) / n
+    assert counts[2] == 0 and counts[3] == 0
+    np.testing.assert_allclose(counts[:2], [4 / 7, 3 / 7], atol=0.03)
+
+
+def test_next_token_logprobs_shift():
+    logits = np.random.default_rng(2).normal(size=(1, 5, 9)).astype(np.float32)
+    ids = np.array([[3, 1, 4, 1, 5]], np.int32)
+    got = np.asarray(sampling.next_token_logprobs(jnp.asarray(logits), jnp.asarray(ids), jnp.array([2.0])))
+    for t in range(4):
+        np.testing.assert_allclose(got[0, t], np_log_softmax(logits[0, t] / 2.0)[ids[0, t + 1]], atol=1e-5)
