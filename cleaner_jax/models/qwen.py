@@ -1,0 +1,239 @@
+"""One Flax NNX module for Qwen2 and Qwen3 causal LMs, with a static KV cache.
+
+Qwen2 and Qwen3 differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm before RoPE
+(Qwen3), so both are flags on one module. Attribute names mirror Hugging Face
+(`layers[i].self_attn.q_proj.kernel` <-> `model.layers.i.self_attn.q_proj.weight`), which
+keeps the name table in `params.py` obvious. Linear kernels are stored `[in, out]`.
+
+Dtype policy: parameters are stored in `config.param_dtype`, activations run in
+`config.compute_dtype`, attention softmax, RMSNorm statistics and logits are float32.
+
+Tokenizer and chat template: load them from the same directory with
+`transformers.AutoTokenizer.from_pretrained(path)`; this module does not wrap them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cleaner_jax.models import layers
+from cleaner_jax.models.config import QwenConfig
+
+__all__ = ["QwenConfig", "KVCache", "init_cache", "Qwen", "logits_from_hidden", "from_pretrained", "save_pretrained"]
+
+_INIT = nnx.initializers.normal(0.02)
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Static-shape KV cache. Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1."""
+
+    k: jax.Array  # [L, B, S, KV, hd]
+    v: jax.Array  # [L, B, S, KV, hd]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """An empty cache; `dtype` defaults to the compute dtype."""
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    dtype = dtype or config.compute_dtype
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    """h [..., H] @ kernel [H, V] in float32: how `Qwen.__call__` turns hidden states into logits."""
+    return jnp.dot(h.astype(jnp.float32), kernel.astype(jnp.float32))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype: str):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return layers.rms_norm(x, self.weight[...], self.eps)
+
+
+def _linear(cfg: QwenConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs
+    )
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = _linear(cfg, h, nh * hd, cfg.attention_bias, rngs)
+        self.k_proj = _linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
+        self.v_proj = _linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
+        self.o_proj = _linear(cfg, nh * hd, h, cfg.o_proj_bias, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.param_dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, T, H]
+        cos: jax.Array,  # [B, T, hd]
+        sin: jax.Array,
+        mask: jax.Array,  # [B, T, S] bool
+        kv: tuple[jax.Array, jax.Array] | None,  # full cache arrays [L, B, S, KV, hd]
+        layer: int,
+        slots: jax.Array | None,  # [B, T] cache slots of the new tokens
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        if kv is not None:
+            k_all, v_all = kv
+            rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+            # Out-of-range slots (past max_len) are dropped: size the cache for prompt + new tokens.
+            k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[layer, rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            kv = (k_all, v_all)
+            k, v = k_all[layer].astype(x.dtype), v_all[layer].astype(x.dtype)  # [B, S, KV, hd]
+        out = layers.attention(q, k, v, mask, cfg.attention_impl)  # [B, T, N, hd]
+        return self.o_proj(out.reshape(b, t, -1)), kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs):
+        self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+        self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+        self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, mask, kv, layer, slots):
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer, slots)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Qwen(nnx.Module):
+    """Qwen2/Qwen3 causal LM. See module docstring for the dtype policy."""
+
+    def __init__(self, config: QwenConfig, *, rngs: nnx.Rngs):
+        cfg = self.config = config
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+            embedding_init=_INIT, rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """[H, V] (the transposed embedding when tied): logits = logits_from_hidden(h, kernel)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [B, T] int32
+        positions: jax.Array | None = None,  # [B, T]
+        *,
+        attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = pad
+        cache: KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Logits [B, T, V] float32, or (logits, new_cache) when a cache is given.
+
+        With a cache, the T new tokens go to slots lengths[b] .. lengths[b]+T-1 and attend
+        causally to every earlier slot of their row; padding must then be on the right, and
+        `new_cache.lengths = lengths + attention_mask.sum(-1)` (or + T without a mask).
+        """
+        out = self.hidden_states(input_ids, positions, attention_mask=attention_mask, cache=cache)
+        h, new_cache = out if cache is not None else (out, None)
+        logits = logits_from_hidden(h, self.lm_head_kernel())
+        return logits if cache is None else (logits, new_cache)
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Like `__call__` but returns final-normed hidden states [B, T, H] in the compute dtype."""
+        cfg = self.config
+        b, t = input_ids.shape
+        if cache is None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            mask = layers.causal_mask(attention_mask, b, t)
+            kv, slots = None, None
+        else:
+            slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+            if positions is None:
+                positions = slots
+            mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)
+            kv = (cache.k, cache.v)
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x, kv = self._layer_fn(i)(layer, x, cos, sin, mask, kv, slots)
+        h = self.norm(x)
+        if cache is None:
+            return h
+        added = t if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
+        return h, KVCache(kv[0], kv[1], cache.lengths + added)
+
+    def _layer_fn(self, i: int):
+        def run(layer: DecoderLayer, x, cos, sin, mask, kv, slots):
+            return layer(x, cos, sin, mask, kv, i, slots)
+
+        if self.config.remat == "none":
+            return run
+        return nnx.remat(run, policy=_REMAT_POLICIES[self.config.remat])
+
+
+def from_pretrained(
+    path: str | os.PathLike, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, **config_overrides: Any
+) -> Qwen:
+    """Load a local HF Qwen2/Qwen3 directory. `dtype` sets both param and compute dtype unless
+    `param_dtype=` / `compute_dtype=` are overridden. With a mesh, every array is built shard by
+    shard from the files (see `cleaner_jax.models.sharding` for the layout)."""
+    from cleaner_jax.models import params  # params imports this module
+
+    return params.load_model(Path(path), dtype=dtype, mesh=mesh, **config_overrides)
+
+
+def save_pretrained(model: Qwen, out_dir: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None) -> Path:
+    """Write model.safetensors + config.json (HF names) that transformers loads; copies the
+    tokenizer and generation_config.json from `tokenizer_from` when given."""
+    from cleaner_jax.models import params
+
+    return params.save_model(model, Path(out_dir), tokenizer_from=tokenizer_from)
