@@ -204,8 +204,8 @@ def _start_reaper() -> _Reaper:
 
 # ---------------------------------------------------------------- child B
 
-def _child(code: str, stdin_fd: int, out_w: int, err_w: int, rep_w: int, cwd: str,
-           cfg: WorkerConfig) -> NoReturn:
+def _child(code: str, mode: str, stdin_fd: int, out_w: int, err_w: int, rep_w: int,
+           cwd: str, cfg: WorkerConfig) -> NoReturn:
     try:
         _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         os.setsid()
@@ -243,7 +243,7 @@ def _child(code: str, stdin_fd: int, out_w: int, err_w: int, rep_w: int, cwd: st
         os.write(_REPORT_FD, json.dumps({"kind": "infra", "message": f"child setup: {e!r}"})
                  .encode())
         os._exit(70)
-    run_user_code(code, _REPORT_FD, cfg.keep_stdout_on_error)
+    run_user_code(code, _REPORT_FD, cfg.keep_stdout_on_error, mode)
 
 
 # ---------------------------------------------------------------- server S
@@ -261,7 +261,8 @@ class _Server:
         t0 = time.perf_counter()
         pid = os.fork()
         if pid == 0:
-            _child(req["code"], stdin_fd, out_w, err_w, rep_w, self.workdir, self.cfg)
+            _child(req["code"], req.get("mode", "notebook"), stdin_fd, out_w, err_w, rep_w,
+                   self.workdir, self.cfg)
         for fd in (stdin_fd, out_w, err_w, rep_w):
             os.close(fd)
         try:

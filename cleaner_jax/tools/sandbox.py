@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from cleaner_jax.tools._forkserver import recv_exact, send_msg
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "infra")
+RUN_MODES = ("notebook", "script")
 DEFAULT_PRELOAD = ("numpy", "sympy", "math", "itertools", "collections", "fractions", "decimal",
                    "functools", "heapq", "bisect", "re", "random", "statistics", "string", "json")
 _SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
@@ -200,11 +202,18 @@ class Sandbox:
 
     # ------------------------------------------------------------ execution
 
-    def run(self, code: str, stdin: str = "") -> ExecResult:
-        """Run `code` in a fresh isolated process; stdin is closed (EOF) when `stdin` is ""."""
+    def run(self, code: str, stdin: str = "", *, mode: str = "notebook") -> ExecResult:
+        """Run `code` in a fresh isolated process; stdin is closed (EOF) when `stdin` is "".
+
+        mode "notebook" (tool calls): the authors' tool wrapper (last expression's repr printed,
+        compact error line, buffered stdout lost on error). mode "script" (reward tests): the
+        authors' judge, i.e. a plain `python3 file.py` with a normal traceback.
+        """
         if self._closed:
             raise RuntimeError("Sandbox.run called after close()")
-        msg = {"code": code, "stdin": stdin if stdin else None}
+        if mode not in RUN_MODES:
+            raise ValueError(f"unknown run mode {mode!r}; expected one of {RUN_MODES}")
+        msg = {"code": code, "stdin": stdin if stdin else None, "mode": mode}
         w = self._idle.get()
         try:
             for attempt in range(self.infra_retries + 1):
@@ -224,15 +233,22 @@ class Sandbox:
         finally:
             self._idle.put(w)
 
-    def run_batch(self, codes: list[str]) -> list[ExecResult]:
+    def run_batch(self, codes: list[str], stdins: list[str] | None = None, *,
+                  mode: str = "notebook") -> list[ExecResult]:
+        """Run many snippets concurrently on the pool; results in input order."""
+        if stdins is not None and len(stdins) != len(codes):
+            raise ValueError(f"run_batch got {len(codes)} codes but {len(stdins)} stdins")
         if not codes:
             return []
-        return list(self._pool_executor().map(self.run, codes))
+        stdins = stdins if stdins is not None else [""] * len(codes)
+        return list(self._pool_executor().map(
+            functools.partial(self.run, mode=mode), codes, stdins))
 
-    async def arun(self, code: str, stdin: str = "") -> ExecResult:
+    async def arun(self, code: str, stdin: str = "", *, mode: str = "notebook") -> ExecResult:
         """asyncio entry: runs `run` in the sandbox's own thread pool (size = workers)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool_executor(), self.run, code, stdin)
+        return await loop.run_in_executor(self._pool_executor(),
+                                          functools.partial(self.run, mode=mode), code, stdin)
 
     def _pool_executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
