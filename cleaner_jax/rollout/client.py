@@ -39,7 +39,8 @@ _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 @dataclasses.dataclass
 class _Server:
     url: str
-    in_flight: int = 0
+    in_flight: int = 0  # requests now on the wire
+    routes: int = 0  # sticky route keys assigned
 
 
 class SGLangClient:
@@ -99,11 +100,15 @@ class SGLangClient:
             self._routes.move_to_end(route_key)
             return self._routes[route_key]
         candidates = [s for s in self.servers if s is not exclude] or self.servers
-        server = min(candidates, key=lambda s: s.in_flight)
+        server = min(candidates, key=lambda s: (s.in_flight, s.routes))  # least loaded, then fewest keys
         if route_key is not None:
+            old = self._routes.get(route_key)
+            if old is not None:
+                old.routes -= 1
             self._routes[route_key] = server
+            server.routes += 1
             while len(self._routes) > self.max_routes:
-                self._routes.popitem(last=False)
+                self._routes.popitem(last=False)[1].routes -= 1
         return server
 
     async def _request(

@@ -35,6 +35,7 @@ class BatchScheduler:
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
+        self.batches_run = 0  # observable for tests and logs
         self._thread = threading.Thread(target=self._worker, name="engine-batcher", daemon=True)
         self._thread.start()
 
@@ -98,6 +99,7 @@ class BatchScheduler:
                 break
             batch, stop = self._collect(first)
             live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+            self.batches_run += 1
             try:
                 results = self.engine.generate_batch([r for r, _ in live]) if live else []
             except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller

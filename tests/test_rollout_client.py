@@ -1,0 +1,202 @@
+"""SGLang client: routing, retries and faults against small fake servers on loopback.
+
+The fakes answer with SGLang-shaped JSON (or misbehave on purpose); the client must retry or
+fail with a clear error, never hang.
+"""
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import pytest
+from aiohttp import web
+
+from cleaner_jax.rollout.client import RolloutRequestError, RolloutServerError, SGLangClient
+
+
+def canned(output_ids=(7, 8)) -> dict:
+    return {
+        "text": "", "output_ids": list(output_ids),
+        "meta_info": {
+            "id": "x", "finish_reason": {"type": "stop", "matched": output_ids[-1]}, "prompt_tokens": 3,
+            "completion_tokens": len(output_ids), "cached_tokens": 2, "weight_version": "v1",
+            "output_token_logprobs": [[-0.5, t, None] for t in output_ids], "input_token_logprobs": [],
+        },
+    }
+
+
+@dataclasses.dataclass
+class Fake:
+    url: str
+    hits: list
+    stop: Callable[[], None]
+
+
+def fake_server(behaviour: Callable) -> Fake:
+    """Serve POST /generate and /flush_cache with `behaviour(request, n) -> Response` on a free port."""
+    hits: list = []
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        hits.append(request.path)
+        return await behaviour(request, len(hits))
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        app = web.Application()
+        app.router.add_post("/generate", handle)
+        app.router.add_post("/flush_cache", handle)
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        box["runner"], box["port"] = runner, runner.addresses[0][1]
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ready.wait(10)
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return Fake(f"http://127.0.0.1:{box['port']}", hits, stop)
+
+
+async def ok(request, n):
+    return web.json_response(canned())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(30)
+def test_generate_parses_sglang_response():
+    srv = fake_server(ok)
+    try:
+        out = asyncio.run(SGLangClient(srv.url)([1, 2, 3], {"temperature": 0, "max_new_tokens": 2}))
+    finally:
+        srv.stop()
+    assert out.output_ids == [7, 8] and out.output_logprobs == [-0.5, -0.5]
+    assert (out.finish_reason, out.matched_stop, out.cached_tokens, out.weight_version) == ("stop", 8, 2, "v1")
+
+
+@pytest.mark.timeout(30)
+def test_sticky_routing_per_trajectory_and_spread_of_new_keys():
+    a, b = fake_server(ok), fake_server(ok)
+    client = SGLangClient([a.url, b.url])
+
+    async def go():
+        for turn in range(3):
+            for key in ("traj-1", "traj-2"):
+                await client.session(key)([1, 2, 3], {"max_new_tokens": 2})
+        await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        a.stop(), b.stop()
+    assert len(a.hits) == 3 and len(b.hits) == 3  # each trajectory stuck to one server
+
+
+@pytest.mark.timeout(30)
+def test_dead_port_fails_clearly_after_retries():
+    url = f"http://127.0.0.1:{free_port()}"
+    client = SGLangClient(url, retries=2, backoff_s=0.01)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError, match=r"failed after 3 attempts") as info:
+        asyncio.run(client([1, 2], {"max_new_tokens": 1}))
+    assert url in str(info.value) and time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(30)
+def test_connection_dropped_mid_request_fails_over_to_other_server():
+    async def drop(request, n):
+        await request.read()
+        request.transport.close()  # the "server killed mid-request" symptom: connection gone
+        await asyncio.sleep(1)
+        return web.Response()
+
+    bad, good = fake_server(drop), fake_server(ok)
+    client = SGLangClient([bad.url, good.url], retries=2, backoff_s=0.01)
+
+    async def go():
+        out = await client.session("t")([1, 2], {"max_new_tokens": 1})  # first pick: bad (fewest keys tie)
+        again = await client.session("t")([1, 2], {"max_new_tokens": 1})
+        await client.close()
+        return out, again
+
+    try:
+        out, again = asyncio.run(go())
+    finally:
+        bad.stop(), good.stop()
+    assert out.output_ids == [7, 8] == again.output_ids
+    assert len(bad.hits) == 1 and len(good.hits) == 2  # re-routed, and the route stuck
+
+
+@pytest.mark.timeout(30)
+def test_slow_server_times_out_then_errors():
+    async def slow(request, n):
+        await asyncio.sleep(5)
+        return web.json_response(canned())
+
+    srv = fake_server(slow)
+    client = SGLangClient(srv.url, timeout_s=0.3, retries=1, backoff_s=0.01)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RolloutServerError, match="failed after 2 attempts"):
+            asyncio.run(client([1], {"max_new_tokens": 1}))
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.stop()
+    assert elapsed < 4 and len(srv.hits) == 2
+
+
+@pytest.mark.timeout(30)
+def test_5xx_is_retried_and_400_is_not():
+    async def flaky(request, n):
+        return web.json_response({"error": "busy"}, status=503) if n == 1 else web.json_response(canned())
+
+    async def reject(request, n):
+        return web.json_response({"error": {"message": "input_ids cannot be empty."}}, status=400)
+
+    f, r = fake_server(flaky), fake_server(reject)
+    try:
+        out = asyncio.run(SGLangClient(f.url, backoff_s=0.01)([1], {"max_new_tokens": 1}))
+        with pytest.raises(RolloutRequestError, match="cannot be empty"):
+            asyncio.run(SGLangClient(r.url, backoff_s=0.01)([1], {"max_new_tokens": 1}))
+    finally:
+        f.stop(), r.stop()
+    assert out.output_ids == [7, 8] and len(f.hits) == 2 and len(r.hits) == 1
+
+
+@pytest.mark.timeout(30)
+def test_flush_cache_retries_while_server_busy():
+    async def busy_twice(request, n):
+        return web.Response(status=400, text="Flush cache failed.") if n <= 2 else web.Response(text="Cache flushed.")
+
+    srv = fake_server(busy_twice)
+    try:
+        asyncio.run(SGLangClient(srv.url).flush_cache())
+    finally:
+        srv.stop()
+    assert len(srv.hits) == 3
+
+
+def test_client_side_validation():
+    client = SGLangClient("http://127.0.0.1:1", vocab_size=10)
+    with pytest.raises(RolloutRequestError, match="outside"):
+        asyncio.run(client([3, 10], {"max_new_tokens": 1}))
+    with pytest.raises(ValueError, match="untempered"):
+        asyncio.run(client.score([1, 2, 3], 1, temperature=0.7))
