@@ -39,13 +39,94 @@ def _gather(logits: jax.Array, targets: jax.Array, temperature: float) -> np.nda
 
 class ModelRescorer:
     """Reference rescorer: one full forward of `input_ids` through an NNX causal LM
-    (`model(ids[1, T]) -> logits[1, T, V]`). Cost grows with the whole sequence."""
+    (`model(ids[1, T]) -> logits[1, T, V]`). Cost grows with the whole sequence. Inputs are
+    right-padded to multiples of `bucket` (causal attention: padding cannot change earlier
+    logits) so the jitted forward compiles once per bucket."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    def __init__(self, model: Any, bucket: int = 128) -> None:
+        from flax import nnx
+
+        graphdef, self._state = nnx.split(model)
+        self.bucket = bucket
+        self._forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+
+    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
+        return self.logprobs(input_ids, start, temperature)
+
+    def logprobs(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
+        """Synchronous `score` (e.g. to play the engine's sampled log-probs in tests)."""
+        _check(input_ids, start, temperature)
+        n = len(input_ids)
+        ids = np.zeros((1, _bucket(n, self.bucket)), np.int32)  # [1, T_pad]
+        ids[0, :n] = input_ids
+        logits = self._forward(self._state, jnp.asarray(ids))[0]  # [T_pad, V]
+        return _gather(logits[start - 1 : n - 1], jnp.asarray(input_ids[start:], jnp.int32), temperature).tolist()
+
+
+def _bucket(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+class PrefixCachedRescorer:
+    """Learner-side rescorer that keeps the KV cache of the last sequence it scored and only
+    runs the tokens after the common prefix (capped at `start - 1`, whose logits are needed).
+
+    Feed it the context as the episode grows (`extend`), or let consecutive `score` calls of
+    one trajectory share their prefix; the cost of a call is then the spliced span, not the
+    whole trajectory. New tokens are padded to multiples of `bucket` to bound recompilation.
+    `tokens_computed` counts the (unpadded) positions actually run, for benchmarks.
+    """
+
+    def __init__(self, model: Any, bucket: int = 64) -> None:
+        from flax import nnx
+
+        from cleaner_jax.models import qwen
+
+        self._qwen = qwen
+        self.config = model.config
+        self.bucket = bucket
+        graphdef, self._state = nnx.split(model)
+
+        def forward(state: Any, ids: jax.Array, mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+            return nnx.merge(graphdef, state)(ids, attention_mask=mask, cache=cache)
+
+        self._forward = jax.jit(forward)
+        self._ids: list[int] = []
+        self._cache: Any = None
+        self.tokens_computed = 0
+
+    def _run(self, input_ids: list[int], keep: int) -> jax.Array:
+        """Run input_ids[keep:] on top of the cached first `keep` tokens; logits [N, V]."""
+        needed = _bucket(len(input_ids) + self.bucket, 256)
+        if self._cache is None or self._cache.max_len < needed:
+            self._cache, keep = self._qwen.init_cache(self.config, 1, needed), 0
+        new = input_ids[keep:]
+        width = _bucket(len(new), self.bucket)
+        ids = np.zeros((1, width), np.int32)
+        ids[0, : len(new)] = new
+        mask = np.zeros((1, width), np.int32)
+        mask[0, : len(new)] = 1
+        cache = self._qwen.KVCache(self._cache.k, self._cache.v, jnp.asarray([keep], jnp.int32))
+        logits, self._cache = self._forward(self._state, jnp.asarray(ids), jnp.asarray(mask), cache)
+        self._ids = list(input_ids)
+        self.tokens_computed += len(new)
+        return logits[0, : len(new)]
+
+    def _common_prefix(self, input_ids: list[int]) -> int:
+        n = min(len(self._ids), len(input_ids))
+        a, b = np.asarray(self._ids[:n]), np.asarray(input_ids[:n])
+        diff = np.flatnonzero(a != b)
+        return int(diff[0]) if diff.size else n
+
+    def extend(self, input_ids: list[int]) -> None:
+        """Bring the cache up to `input_ids` (e.g. the context after each generation)."""
+        keep = self._common_prefix(input_ids)
+        if keep < len(input_ids):
+            self._run(list(input_ids), keep)
 
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
         _check(input_ids, start, temperature)
-        ids = jnp.asarray([input_ids], dtype=jnp.int32)  # [1, T]
-        logits = self.model(ids)[0]  # [T, V]
-        return _gather(logits[start - 1 : -1], ids[0, start:], temperature).tolist()
+        keep = min(self._common_prefix(input_ids), start - 1)
+        logits = self._run(list(input_ids), keep)  # rows: positions keep .. T-1
+        rows = logits[start - 1 - keep : len(input_ids) - 1 - keep]
+        return _gather(rows, jnp.asarray(input_ids[start:], jnp.int32), temperature).tolist()
