@@ -22,6 +22,7 @@ from cleaner_jax.tools.sandbox import ExecResult, Sandbox
 SECRET = "cj-sandbox-secret-" + uuid.uuid4().hex
 WORKERS = 2
 TIMEOUT_S = 1.5
+LIGHT = {"preload": (), "warmup": ""}  # fast start for tests that need no numpy/sympy
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def sandbox():
 
 def _sandbox_uid_procs(sb: Sandbox) -> list[psutil.Process]:
     if sb.isolation.get("unprivileged_uid"):
-        uids = set(range(64000, 64000 + WORKERS))
+        uids = set(sb.worker_uids())
+        assert len(uids) == WORKERS
         return [p for p in psutil.process_iter(["uids"])
                 if p.info["uids"] is not None and p.info["uids"].real in uids]
     return []
@@ -64,13 +66,14 @@ def _assert_clean(sb: Sandbox) -> None:
     """Nothing left from earlier calls: only the per-worker reaper below each server."""
     deadline = time.monotonic() + 5.0
     while True:
-        leftovers = _sandbox_uid_procs(sb)
+        # the pre-forked spare child of each server is expected; anything else is a leftover
+        leftovers = [p for p in _sandbox_uid_procs(sb) if _safe(p.ppid) not in sb.worker_pids()]
         extra = [p for p in _descendants(sb) if _safe(p.ppid) not in (*sb.worker_pids(), None)]
         zombies = [p for p in _descendants(sb) if _safe(p.status) == psutil.STATUS_ZOMBIE]
         if not leftovers and not extra and not zombies:
             break
         if time.monotonic() > deadline:
-            raise AssertionError(f"leftover processes: {leftovers + extra + zombies}")
+            raise AssertionError(f"leftover processes: {[(p, _safe(p.ppid), _safe(p.uids)) for p in leftovers + extra + zombies]} workers {sb.worker_pids()}")
         time.sleep(0.05)
     assert sb.pool_size == WORKERS
     for d in Path(sb.root_dir).iterdir():
@@ -110,7 +113,7 @@ def test_runtime_error_is_compact_and_loses_buffered_stdout(sandbox):
 
 
 def test_keep_stdout_on_error_option():
-    with Sandbox(workers=1, timeout_s=TIMEOUT_S, keep_stdout_on_error=True) as sb:
+    with Sandbox(workers=1, timeout_s=TIMEOUT_S, keep_stdout_on_error=True, **LIGHT) as sb:
         r = sb.run("print('before')\nraise ValueError('bad')\n")
         assert r.stdout == "before\n" and r.error_type == "ValueError"
 
@@ -165,6 +168,12 @@ def test_run_batch_and_arun_keep_order(sandbox):
     assert [r.stdout for r in asyncio.run(many())] == [f"{i * i}\n" for i in range(6)]
 
 
+def test_threads_work_in_the_child(sandbox):
+    r = sandbox.run("import threading\nout = []\nt = threading.Thread(target=out.append, "
+                    "args=(7,))\nt.start()\nt.join()\nout")
+    assert r.stdout == "[7]\n", r
+
+
 def test_network_namespace_reported(sandbox):
     r = sandbox.run("1")
     assert r.network_isolated == sandbox.isolation["network"]
@@ -194,7 +203,7 @@ def test_huge_allocation_is_memory(sandbox):
 
 
 def test_output_flood_is_cut(sandbox):
-    r = sandbox.run("import sys\nsys.stdout.write('x' * 100_000_000)")
+    r = sandbox.run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)")
     assert r.status == "output_limit" and len(r.stdout) == 100_000
     _assert_alive(sandbox)
     _assert_clean(sandbox)
@@ -286,8 +295,21 @@ def test_background_process_does_not_outlive_the_call(sandbox):
                 if p.info["cmdline"] == ["sleep", "1000"]]
 
 
+def test_two_sandboxes_use_disjoint_uids(sandbox):
+    if not sandbox.isolation["unprivileged_uid"]:
+        pytest.skip("not root: no per-worker uids")
+    with Sandbox(workers=1, timeout_s=TIMEOUT_S, **LIGHT) as other:
+        assert not set(other.worker_uids()) & set(sandbox.worker_uids())
+        # a leftover-kill in one sandbox must not touch the other's processes
+        code = "import subprocess\nsubprocess.Popen(['sleep', '1000'])\nprint('x')"
+        r = other.run(code)
+        assert r.status == "ok"
+        _assert_alive(sandbox)
+    _assert_clean(sandbox)
+
+
 def test_dead_worker_is_replaced():
-    with Sandbox(workers=1, timeout_s=TIMEOUT_S) as sb:
+    with Sandbox(workers=1, timeout_s=TIMEOUT_S, **LIGHT) as sb:
         before = sb.worker_pids()
         os.kill(before[0], signal.SIGKILL)
         _assert_alive(sb)
@@ -297,7 +319,7 @@ def test_dead_worker_is_replaced():
 
 
 def test_close_leaves_nothing():
-    sb = Sandbox(workers=2, timeout_s=TIMEOUT_S)
+    sb = Sandbox(workers=2, timeout_s=TIMEOUT_S, **LIGHT)
     pids = sb.worker_pids()
     children = [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
     sb.run("import subprocess\nsubprocess.Popen(['sleep', '1000'])")

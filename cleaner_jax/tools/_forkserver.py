@@ -10,17 +10,21 @@ Started as `python -m cleaner_jax.tools._forkserver CONFIG_JSON` by `Sandbox`. P
       │             worker's uid: kill(-1) from a helper running as that uid)
       └─ child B  (one per call, forked from S into R's namespace: new session, rlimits
                    incl. RLIMIT_NPROC, unprivileged uid, no_new_privs, scrubbed env, cwd W;
-                   runs the code via `_executor`)
+                   runs the code via `_executor`. B is forked and set up *before* its call
+                   (a "spare" blocked on a control pipe), so the fork is off the latency path)
 
 S enforces the wall-clock timeout and the output limit, reaps B, then has R kill whatever B
 left behind (background processes, setsid escapes), then empties W: each call starts from an
 empty /tmp with no surviving process, so calls are stateless. If S dies, R (PDEATHSIG) dies and
 the kernel kills the whole namespace. Layers the kernel refuses are listed in `Isolation.notes`.
+After unshare(CLONE_NEWPID) S itself cannot start threads (EINVAL), hence the *_NUM_THREADS=1
+environment the Sandbox gives it; the children can.
 S and the Sandbox exchange length-prefixed JSON over S's stdin/stdout.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import importlib
 import json
@@ -46,7 +50,7 @@ _DRAIN_S = 2.0  # how long S keeps reading pipes after B is gone (leftovers are 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    uid: int | None  # unprivileged uid for the code (None when we are not root)
+    uid: int | None  # first uid of the range to pick from (None when we are not root)
     timeout_s: float
     memory_mb: int
     output_limit: int
@@ -57,6 +61,9 @@ class WorkerConfig:
     root_dir: str
     preload: tuple[str, ...]
     env: dict[str, str]
+    warmup: str = ""  # run once in S after the imports (fills sympy's caches, lazy imports)
+    uid_count: int = 1000  # uids uid .. uid+uid_count-1 are shared by all sandboxes on the host
+    uid_lock_dir: str = "/tmp/cleaner_sandbox_uids"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,15 +211,22 @@ def _start_reaper() -> _Reaper:
 
 # ---------------------------------------------------------------- child B
 
-def _child(code: str, mode: str, stdin_fd: int, out_w: int, err_w: int, rep_w: int,
-           cwd: str, cfg: WorkerConfig) -> NoReturn:
+_CONTROL_FD = 4  # the spare child reads its request here, then closes it
+
+
+def _child(out_w: int, err_w: int, rep_w: int, ctl_r: int, cwd: str,
+           cfg: WorkerConfig) -> NoReturn:
+    """Isolate, drop privileges, then wait for the request: all the setup happens before the
+    code is known, so a spare child can be forked ahead of the next call."""
     try:
         _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
         os.setsid()
-        for target, fd in ((0, stdin_fd), (1, out_w), (2, err_w), (_REPORT_FD, rep_w)):
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for target, fd in ((0, devnull), (1, out_w), (2, err_w), (_REPORT_FD, rep_w),
+                           (_CONTROL_FD, ctl_r)):
             os.dup2(fd, target)
         for name in os.listdir("/proc/self/fd"):
-            if int(name) > _REPORT_FD:
+            if int(name) > _CONTROL_FD:
                 try:
                     os.close(int(name))
                 except OSError:  # the fd of the listdir itself, already closed
@@ -243,10 +257,32 @@ def _child(code: str, mode: str, stdin_fd: int, out_w: int, err_w: int, rep_w: i
         os.write(_REPORT_FD, json.dumps({"kind": "infra", "message": f"child setup: {e!r}"})
                  .encode())
         os._exit(70)
-    run_user_code(code, _REPORT_FD, cfg.keep_stdout_on_error, mode)
+    try:
+        req = recv_msg(_CONTROL_FD)
+    except (EOFError, ValueError):  # S went away or gave up on this spare
+        os._exit(0)
+    os.close(_CONTROL_FD)
+    if req.get("stdin") is not None:
+        fd = os.memfd_create("stdin")
+        os.write(fd, req["stdin"].encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.dup2(fd, 0)
+        os.close(fd)
+    run_user_code(req["code"], _REPORT_FD, cfg.keep_stdout_on_error,
+                  req.get("mode", "notebook"))
 
 
 # ---------------------------------------------------------------- server S
+
+@dataclasses.dataclass
+class _Spare:
+    """A forked, fully set-up child waiting for its request on `ctl_w`."""
+    pid: int
+    out_r: int
+    err_r: int
+    rep_r: int
+    ctl_w: int
+
 
 @dataclasses.dataclass
 class _Server:
@@ -254,21 +290,35 @@ class _Server:
     iso: Isolation
     workdir: str  # the path of W as S sees it ("/tmp" with a mount namespace)
     reaper: _Reaper | None
+    spare: _Spare | None = None
 
-    def run(self, req: dict[str, Any]) -> dict[str, Any]:
-        stdin_fd = _open_stdin(req.get("stdin"))
+    def fork_spare(self) -> None:
+        """Fork the child for the next call now, off the latency path of that call."""
+        if self.spare is None:
+            self.spare = self._fork_child()
+
+    def _fork_child(self) -> _Spare:
         (out_r, out_w), (err_r, err_w), (rep_r, rep_w) = os.pipe(), os.pipe(), os.pipe()
-        t0 = time.perf_counter()
+        ctl_r, ctl_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(req["code"], req.get("mode", "notebook"), stdin_fd, out_w, err_w, rep_w,
-                   self.workdir, self.cfg)
-        for fd in (stdin_fd, out_w, err_w, rep_w):
+            _child(out_w, err_w, rep_w, ctl_r, self.workdir, self.cfg)
+        for fd in (out_w, err_w, rep_w, ctl_r):
             os.close(fd)
+        return _Spare(pid, out_r, err_r, rep_r, ctl_w)
+
+    def run(self, req: dict[str, Any]) -> dict[str, Any]:
+        child, self.spare = self.spare or self._fork_child(), None
+        t0 = time.perf_counter()
         try:
-            result = self._watch(pid, out_r, err_r, rep_r, t0)
+            try:
+                send_msg(child.ctl_w, req)
+            except BrokenPipeError:  # the spare died while waiting: report what it said
+                pass
+            os.close(child.ctl_w)
+            result = self._watch(child.pid, child.out_r, child.err_r, child.rep_r, t0)
         except BaseException:
-            self._kill_leftovers(pid)
+            self._kill_leftovers(child.pid)
             raise
         finally:
             _empty_dir(self.workdir)
@@ -279,8 +329,20 @@ class _Server:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if self.reaper is not None and self.cfg.uid is not None:
+        if self.reaper is not None and self.cfg.uid is not None and self._may_have_leftovers():
             self.reaper.kill_uid(self.cfg.uid)
+
+    def _may_have_leftovers(self) -> bool:
+        """In our PID namespace every process B left behind is re-parented to the reaper, so
+        an empty children list of the reaper proves there is nothing to kill (cheap check)."""
+        if not self.iso.pid_namespace or self.reaper is None:
+            return True
+        path = f"/proc/{self.reaper.pid}/task/{self.reaper.pid}/children"
+        try:
+            with open(path) as f:
+                return bool(f.read().strip())
+        except OSError:  # kernel without CONFIG_PROC_CHILDREN: always kill
+            return True
 
     def _watch(self, pid: int, out_r: int, err_r: int, rep_r: int, t0: float
                ) -> dict[str, Any]:
@@ -336,15 +398,6 @@ class _Server:
                          bytes(bufs[rep_r]), duration, self.iso)
 
 
-def _open_stdin(data: str | None) -> int:
-    if data is None:
-        return os.open(os.devnull, os.O_RDONLY)
-    fd = os.memfd_create("stdin")
-    os.write(fd, data.encode())
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
 def _empty_dir(path: str) -> None:
     for entry in os.scandir(path):
         if entry.is_dir(follow_symlinks=False):
@@ -394,9 +447,31 @@ def _classify(status: int, killed_for: str | None, out: bytes, err: bytes, rep: 
     return res
 
 
+def _acquire_uid(cfg: WorkerConfig) -> tuple[int, int]:
+    """(uid, lock fd): a uid no other live sandbox worker on this host uses.
+
+    Each worker kills every process of its uid after a call, so two workers (of this or any
+    other Sandbox) must never share one. The flock is held until this process dies."""
+    assert cfg.uid is not None
+    os.makedirs(cfg.uid_lock_dir, mode=0o755, exist_ok=True)
+    for uid in range(cfg.uid, cfg.uid + cfg.uid_count):
+        fd = os.open(os.path.join(cfg.uid_lock_dir, f"{uid}.lock"), os.O_RDWR | os.O_CREAT,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise RuntimeError(f"all {cfg.uid_count} sandbox uids from {cfg.uid} are in use (locks in "
+                       f"{cfg.uid_lock_dir}); raise Sandbox(uid_count=...) or close sandboxes")
+
+
 def _start(cfg: WorkerConfig) -> _Server:
     """Namespaces first (the reaper must be forked before the big imports), then preload."""
     notes = []
+    if cfg.uid is not None:
+        uid, _lock_fd = _acquire_uid(cfg)  # the fd stays open (and locked) for S's lifetime
+        cfg = dataclasses.replace(cfg, uid=uid)
     if cfg.uid is None:
         notes.append("not root: code runs as the server's uid; RLIMIT_NPROC is not set (it "
                      "would count every process of that user), no uid-wide kill of leftovers")
@@ -424,8 +499,12 @@ def _start(cfg: WorkerConfig) -> _Server:
         pid_ns = False
         notes.append(f"no PID namespace ({e}): leftovers are killed by uid/process group only")
     reaper = _start_reaper() if (pid_ns or cfg.uid is not None) else None
+    if reaper is not None and cfg.uid is not None and not pid_ns:
+        reaper.kill_uid(cfg.uid)  # strays of a crashed earlier owner of this uid
     for name in cfg.preload:
         importlib.import_module(name)
+    if cfg.warmup:
+        exec(compile(cfg.warmup, "<sandbox warmup>", "exec"), {"__name__": "__warmup__"})
     gc.collect()
     gc.freeze()  # keep the pre-imported heap out of the children's GC: fewer copy-on-write faults
     iso = Isolation(network=network, pid_namespace=pid_ns, mount_namespace=mount_ns,
@@ -439,7 +518,8 @@ def main() -> None:
     resp_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints (library warnings) must not corrupt the protocol
     server = _start(cfg)
-    send_msg(resp_fd, {"ready": True, "pid": os.getpid(),
+    server.fork_spare()
+    send_msg(resp_fd, {"ready": True, "pid": os.getpid(), "uid": server.cfg.uid,
                        "isolation": dataclasses.asdict(server.iso)})
     while True:
         try:
@@ -453,6 +533,7 @@ def main() -> None:
                                + traceback.format_exc()})
             raise  # exit, so the Sandbox replaces this worker with a fresh one
         send_msg(resp_fd, result)
+        server.fork_spare()
 
 
 if __name__ == "__main__":
