@@ -1,0 +1,198 @@
+"""HTTP API of the embedded rollout server: SGLang field names, stop semantics, errors, control."""
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from _rollout_common import checkpoint, engine, hf_greedy, hf_logprobs
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.server import start_server_in_thread
+
+A = list(range(5, 13))
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    handle = start_server_in_thread(engine=engine())
+    yield handle
+    handle.stop()
+
+
+def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def test_health_is_503_until_loaded_then_200():
+    handle = start_server_in_thread(str(checkpoint(0)), wait_ready=False)
+    try:
+        first, _ = call(handle.url, "GET", "/health")
+        assert handle.state.ready.wait(120)
+        assert call(handle.url, "GET", "/health")[0] == 200
+    finally:
+        handle.stop()
+    assert first == 503
+
+
+def test_generate_single_shape_and_values(server):
+    status, out = call(server.url, "POST", "/generate", {"input_ids": A, "sampling_params": GREEDY, "return_logprob": True, "rid": "abc"})
+    assert status == 200 and list(out) == ["text", "output_ids", "meta_info"]
+    meta = out["meta_info"]
+    assert out["output_ids"] == hf_greedy(A, 8)
+    assert meta["id"] == "abc" and meta["finish_reason"] == {"type": "length", "length": 8}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (8, 8, "default")
+    assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 8
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(e[2] is None for e in meta["output_token_logprobs"])
+    np.testing.assert_allclose([e[0] for e in meta["output_token_logprobs"]], hf_logprobs(A + out["output_ids"], 0)[7:], atol=1e-4)
+    tok = AutoTokenizer.from_pretrained(str(checkpoint(0)))
+    assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_stop_token_kept_in_ids_trimmed_from_text(server):
+    free = hf_greedy(A, 8)
+    stop = free[4]
+    tok = AutoTokenizer.from_pretrained(str(checkpoint(0)))
+    for no_trim in (False, True):
+        sp = {"temperature": 0, "max_new_tokens": 8, "stop_token_ids": [stop], "no_stop_trim": no_trim}
+        status, out = call(server.url, "POST", "/generate", {"input_ids": A, "sampling_params": sp, "return_logprob": True})
+        ids = free[: free.index(stop) + 1]
+        assert status == 200 and out["output_ids"] == ids
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert len(out["meta_info"]["output_token_logprobs"]) == len(ids)
+        assert out["text"] == tok.decode(ids if no_trim else ids[:-1], skip_special_tokens=True)
+
+
+def test_batch_request_per_item_sampling_and_rids(server):
+    b = [40, 41, 42, 97, 98]
+    body = {"input_ids": [A, b], "rid": ["r1", "r2"], "sampling_params": [GREEDY, {**GREEDY, "max_new_tokens": 3}]}
+    status, out = call(server.url, "POST", "/generate", body)
+    assert status == 200 and isinstance(out, list) and len(out) == 2
+    assert [o["meta_info"]["id"] for o in out] == ["r1", "r2"]
+    assert out[0]["output_ids"] == hf_greedy(A, 8) and out[1]["output_ids"] == hf_greedy(b, 3)
+    status, out = call(server.url, "POST", "/generate", {"input_ids": b, "sampling_params": {**GREEDY, "max_new_tokens": 2, "n": 2}})
+    assert status == 200 and len(out) == 2 and out[0]["output_ids"] == out[1]["output_ids"]
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": []}, "input_ids cannot be empty."),
+    ({"input_ids": [1, 2, 512]}, "outside [0, 512)"),
+    ({"input_ids": [1, -1]}, "outside [0, 512)"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "non-negative"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "maximum context length"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.2}}, "not supported"),
+    ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+    ({"input_ids": [[1], [2]], "rid": ["same", "same"]}, "unique"),
+    ({"text": "hello"}, "token-in/token-out"),
+])
+def test_bad_input_is_400_with_message(server, body, needle):
+    status, out = call(server.url, "POST", "/generate", body)
+    assert status == 400 and needle in out["error"]["message"]
+
+
+def test_unknown_sampling_key_and_bad_json(server):
+    status, out = call(server.url, "POST", "/generate", {"input_ids": [1], "sampling_params": {"foo": 1}})
+    assert status == 400 and out["error"].startswith("unknown field `foo`")
+    assert call(server.url, "POST", "/generate", raw=b"{not json")[0] == 400
+    assert call(server.url, "GET", "/health")[0] == 200  # still serving
+
+
+def test_info_endpoints(server):
+    for path in ("/model_info", "/get_model_info"):
+        status, info = call(server.url, "GET", path)
+        assert status == 200 and {"model_path", "tokenizer_path", "is_generation", "weight_version"} <= set(info)
+    for path in ("/server_info", "/get_server_info"):
+        status, info = call(server.url, "GET", path)
+        assert status == 200 and info["context_length"] == 2048 and "version" in info
+    status, models = call(server.url, "GET", "/v1/models")
+    assert status == 200 and models["data"][0]["max_model_len"] == 2048
+
+
+def test_prefix_cache_and_flush_over_http(server):
+    call(server.url, "POST", "/flush_cache")
+    body = {"input_ids": A, "sampling_params": GREEDY}
+    first = call(server.url, "POST", "/generate", body)[1]
+    assert call(server.url, "POST", "/generate", body)[1]["meta_info"]["cached_tokens"] == len(A) - 1
+    turn2 = {"input_ids": A + first["output_ids"] + [7, 8, 9], "sampling_params": GREEDY}
+    assert call(server.url, "POST", "/generate", turn2)[1]["meta_info"]["cached_tokens"] == len(A) + 8 - 1
+    status, text = call(server.url, "GET", "/flush_cache")
+    assert status == 200 and "Cache flushed" in text
+    assert call(server.url, "POST", "/generate", turn2)[1]["meta_info"]["cached_tokens"] == 0
+
+
+def test_update_weights_from_disk_over_http(server):
+    status, out = call(server.url, "POST", "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "x"})
+    assert status == 400 and out["success"] is False
+    try:
+        status, out = call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(checkpoint(1)), "weight_version": "step-1"})
+        assert status == 200 and out["success"] is True and out["num_paused_requests"] == 0
+        assert call(server.url, "GET", "/model_info")[1]["weight_version"] == "step-1"
+        out = call(server.url, "POST", "/generate", {"input_ids": A, "sampling_params": GREEDY})[1]
+        assert out["output_ids"] == hf_greedy(A, 8, seed=1) and out["meta_info"]["weight_version"] == "step-1"
+        assert out["meta_info"]["cached_tokens"] == 0
+    finally:
+        engine().update_weights_from_disk(checkpoint(0), "default")
+
+
+@pytest.mark.timeout(120)
+def test_abort_request_returns_partial_result(server):
+    result = {}
+
+    def long_request():
+        body = {"input_ids": A, "rid": "long", "sampling_params": {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}}
+        result["resp"] = call(server.url, "POST", "/generate", body)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        if "resp" in result:
+            break
+        call(server.url, "POST", "/abort_request", {"rid": "long"})
+    t.join(60)
+    status, out = result["resp"]
+    assert status == 200
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 40
+
+
+def test_stream_sends_cumulative_chunk_and_done(server):
+    req = urllib.request.Request(server.url + "/generate", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"input_ids": A, "sampling_params": GREEDY, "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [line for line in resp.read().decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["output_ids"] == hf_greedy(A, 8) and last["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_client_against_server_generate_and_score(server):
+    client = SGLangClient(server.url, vocab_size=512)
+
+    async def go():
+        out = await client(A, GREEDY)
+        scored = await client.score(A + out.output_ids, start=3)
+        await client.close()
+        return out, scored
+
+    out, scored = asyncio.run(go())
+    assert out.output_ids == hf_greedy(A, 8) and out.finish_reason == "length"
+    np.testing.assert_allclose(scored, hf_logprobs(A + out.output_ids, 1.0)[2:], atol=1e-4)
