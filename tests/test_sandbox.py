@@ -76,8 +76,11 @@ def _assert_clean(sb: Sandbox) -> None:
             raise AssertionError(f"leftover processes: {[(p, _safe(p.ppid), _safe(p.uids)) for p in leftovers + extra + zombies]} workers {sb.worker_pids()}")
         time.sleep(0.05)
     assert sb.pool_size == WORKERS
-    for d in Path(sb.root_dir).iterdir():
+    for d in Path(sb.root_dir).iterdir():  # host work dirs exist only without a mount ns
         assert list(d.iterdir()) == [], f"work dir {d} not emptied"
+    if sb.isolation["mount_namespace"]:
+        for pid in sb.worker_pids():  # the private tmpfs, as the server sees it
+            assert os.listdir(f"/proc/{pid}/root/tmp") == [], "private /tmp not emptied"
 
 
 def _assert_alive(sb: Sandbox) -> None:
@@ -234,6 +237,17 @@ def test_writes_outside_workdir_do_not_land(sandbox):
     assert r.status == "ok", r
     for t in targets:
         assert not os.path.exists(t), f"sandboxed code wrote {t}"
+    _assert_clean(sandbox)
+
+
+def test_disk_filling_is_capped(sandbox):
+    if not sandbox.isolation["mount_namespace"]:
+        pytest.skip("no mount namespace: /tmp is the host's (reported in isolation notes)")
+    code = ("import os\nfor i in range(40):\n"
+            "    with open(f'/tmp/f{i}', 'wb') as f:\n        f.write(b'x' * 10_000_000)")
+    r = sandbox.run(code)
+    assert r.status == "error" and r.error_type == "OSError", r  # ENOSPC at the tmpfs cap
+    _assert_alive(sandbox)
     _assert_clean(sandbox)
 
 

@@ -3,7 +3,8 @@
 Started as `python -m cleaner_jax.tools._forkserver CONFIG_JSON` by `Sandbox`. Process tree:
 
     server S  (root; own network namespace [only `lo`, down] and mount namespace [/tmp,
-      │        /var/tmp, /dev/shm = a private work dir W; dirs the code must not see hidden];
+      │        /var/tmp, /dev/shm = W, a private size-capped tmpfs; dirs the code must not
+      │        see hidden];
       │        pre-imports numpy/sympy once)
       ├─ reaper R  (pid 1 of a PID namespace made for this worker; small: forked before the
       │             big imports; reaps orphans and, on request, kills every process of the
@@ -62,6 +63,7 @@ class WorkerConfig:
     preload: tuple[str, ...]
     env: dict[str, str]
     warmup: str = ""  # run once in S after the imports (fills sympy's caches, lazy imports)
+    tmp_size_mb: int = 128  # size of the private tmpfs work dir (with a mount namespace)
     uid_count: int = 1000  # uids uid .. uid+uid_count-1 are shared by all sandboxes on the host
     uid_lock_dir: str = "/tmp/cleaner_sandbox_uids"
 
@@ -124,7 +126,10 @@ def _python_paths() -> list[str]:
     return paths + [sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)]
 
 
-def _setup_mounts(workdir: str, hidden: dict[str, set[str]]) -> None:
+def _setup_mounts(tmp_size_mb: int, uid: int | None, hidden: dict[str, set[str]]) -> None:
+    """Private mount namespace for S and its children: a size-capped tmpfs (owned by the
+    code's uid) on /tmp, also seen at /var/tmp and /dev/shm, so the code can neither fill the
+    host disk nor see other /tmp files; `hidden` dirs replaced as described above."""
     _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
     for parent, children in sorted(hidden.items()):
@@ -138,11 +143,11 @@ def _setup_mounts(workdir: str, hidden: dict[str, set[str]]) -> None:
                 open(target, "w").close()
             _linux.mount(f"/proc/self/fd/{fd}", target, None, _linux.MS_BIND | _linux.MS_REC)
             os.close(fd)
-    wfd = os.open(workdir, os.O_PATH)
-    for shared_tmp in ("/var/tmp", "/dev/shm", "/tmp"):
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    _linux.mount("tmpfs", "/tmp", "tmpfs", 0, f"size={tmp_size_mb}m,mode=700{owner}")
+    for shared_tmp in ("/var/tmp", "/dev/shm"):
         if os.path.isdir(shared_tmp):
-            _linux.mount(f"/proc/self/fd/{wfd}", shared_tmp, None, _linux.MS_BIND)
-    os.close(wfd)
+            _linux.mount("/tmp", shared_tmp, None, _linux.MS_BIND)
 
 
 # ---------------------------------------------------------------- reaper R
@@ -481,17 +486,18 @@ def _start(cfg: WorkerConfig) -> _Server:
     except OSError as e:
         network = False
         notes.append(f"no network namespace ({e}): sandboxed code CAN reach the network")
-    workdir = tempfile.mkdtemp(prefix="worker_", dir=cfg.root_dir)
-    if cfg.uid is not None:
-        os.chown(workdir, cfg.uid, cfg.uid)
-    os.chmod(workdir, 0o700)
     try:
-        _setup_mounts(workdir, _untraversable_ancestors(_python_paths())
+        _setup_mounts(cfg.tmp_size_mb, cfg.uid, _untraversable_ancestors(_python_paths())
                       if cfg.uid is not None else {})
         mount_ns, workdir = True, "/tmp"
     except OSError as e:
         mount_ns = False
-        notes.append(f"no mount namespace ({e}): /tmp is shared with the host")
+        notes.append(f"no mount namespace ({e}): /tmp is shared with the host and the work "
+                     "dir is on its disk (size limited per file only)")
+        workdir = tempfile.mkdtemp(prefix="worker_", dir=cfg.root_dir)
+        if cfg.uid is not None:
+            os.chown(workdir, cfg.uid, cfg.uid)
+        os.chmod(workdir, 0o700)
     try:
         _linux.unshare(_linux.CLONE_NEWPID)
         pid_ns = True

@@ -149,6 +149,8 @@ class Sandbox:
     memory_mb: RLIMIT_AS of the code's process (the whole address space, incl. the ~140 MB of
       pre-imported numpy/sympy; the authors' fresh interpreter had 256 + 256 MB).
     output_limit: bytes kept per stream; more output kills the call with status "output_limit".
+    file_size_mb / tmp_size_mb: RLIMIT_FSIZE, and the size of the private tmpfs that is the
+      code's cwd, /tmp, /var/tmp and /dev/shm (emptied after every call).
     keep_stdout_on_error: the authors' wrapper lost buffered stdout on an uncaught exception;
       True keeps it (a deviation from faithful behaviour).
     uid_base / uid_count: when we are root, each worker's code runs as its own uid from
@@ -160,6 +162,7 @@ class Sandbox:
 
     def __init__(self, workers: int = 2, timeout_s: float = 4.0, memory_mb: int = 512,
                  output_limit: int = 1_000_000, *, file_size_mb: int = 64,
+                 tmp_size_mb: int = 128,
                  max_processes: int = 64, max_open_files: int = 256,
                  keep_stdout_on_error: bool = False, preload: tuple[str, ...] = DEFAULT_PRELOAD,
                  warmup: str = DEFAULT_WARMUP,
@@ -176,7 +179,7 @@ class Sandbox:
         os.chmod(self.root_dir, 0o711)  # the unprivileged code may enter its own run dir only
         self._base_config = dict(
             timeout_s=timeout_s, memory_mb=memory_mb, output_limit=output_limit,
-            file_size_mb=file_size_mb, max_processes=max_processes,
+            file_size_mb=file_size_mb, tmp_size_mb=tmp_size_mb, max_processes=max_processes,
             max_open_files=max_open_files, keep_stdout_on_error=keep_stdout_on_error,
             root_dir=self.root_dir, preload=list(preload), env=dict(_SAFE_ENV), warmup=warmup,
             uid_count=uid_count,
@@ -215,7 +218,8 @@ class Sandbox:
     def _replace(self, w: _Worker, why: str) -> _Worker:
         log.warning("sandbox worker %d replaced: %s", w.slot, why)
         w.kill()
-        self.replaced_workers += 1
+        with self._lock:
+            self.replaced_workers += 1
         new = self._spawn(w.slot)
         new.wait_ready(self.start_timeout_s)
         return new
