@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -330,6 +331,22 @@ def test_dead_worker_is_replaced():
         assert sb.replaced_workers == 1 and sb.pool_size == 1
         assert sb.worker_pids() != before
     assert not Path(sb.root_dir).exists()
+
+
+def test_worker_dying_mid_call_is_retried_as_infra():
+    with Sandbox(workers=1, timeout_s=5.0, **LIGHT) as sb:
+        pid = sb.worker_pids()[0]
+        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        r = sb.run("import time\ntime.sleep(1.0)\nprint('slept')")
+        killer.join()
+        assert (r.status, r.stdout) == ("ok", "slept\n"), r  # transparently re-run once
+        assert sb.replaced_workers == 1 and sb.pool_size == 1
+    with Sandbox(workers=1, timeout_s=5.0, infra_retries=0, **LIGHT) as sb:
+        threading.Timer(0.5, os.kill, (sb.worker_pids()[0], signal.SIGKILL)).start()
+        r = sb.run("import time\ntime.sleep(1.0)")
+        assert r.status == "infra" and r.error_type is None, r
+        _assert_alive(sb)
 
 
 def test_close_leaves_nothing():
