@@ -79,7 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.reward.overlong_factor = 1.0
 
     c.algo = ml_collections.ConfigDict()
-    c.algo.loss = "ppo"  # ppo | sft (plain NLL on purified trajectories: the imitation control)
+    c.algo.loss = "ppo"  # ppo | nll (plain NLL on purified trajectories: the imitation control)
     c.algo.advantage = "grpo"  # grpo | drgrpo | rloo
     c.algo.adv_eps = 1e-6
     c.algo.group_size = 16  # responses per prompt
@@ -172,7 +172,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _check(c.reward.math_mode in ("strict", "equivalence"), "reward.math_mode", "must be strict or equivalence")
     _check(0 <= c.reward.overlong_buffer < c.agent.max_response_tokens, "reward.overlong_buffer",
            "must be in [0, agent.max_response_tokens)")
-    _check(c.algo.loss in ("ppo", "sft"), "algo.loss", "must be ppo or sft")
+    _check(c.algo.loss in ("ppo", "nll"), "algo.loss", "must be ppo or nll")
     _check(c.algo.advantage in ("grpo", "drgrpo", "rloo"), "algo.advantage", "must be grpo, drgrpo or rloo")
     _check(c.algo.group_size >= 1, "algo.group_size", "must be >= 1")
     _check(c.algo.advantage != "rloo" or c.algo.group_size >= 2, "algo.advantage", "rloo needs group_size >= 2")
