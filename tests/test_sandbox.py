@@ -333,6 +333,24 @@ def test_dead_worker_is_replaced():
     assert not Path(sb.root_dir).exists()
 
 
+def test_dead_spare_child_is_not_a_model_error():
+    with Sandbox(workers=1, timeout_s=5.0, **LIGHT) as sb:
+        if not sb.isolation["unprivileged_uid"]:
+            pytest.skip("not root: the spare child runs as our uid, cannot tell it apart")
+        server = psutil.Process(sb.worker_pids()[0])
+        deadline = time.monotonic() + 5.0
+        spares: list[psutil.Process] = []
+        while not spares and time.monotonic() < deadline:  # it drops privileges async.
+            spares = [c for c in server.children() if c.uids().real != 0]
+            time.sleep(0.01)
+        assert spares, "no spare child found"
+        for c in spares:
+            c.kill()
+        psutil.wait_procs(spares, timeout=5)
+        _assert_alive(sb)
+        assert sb.replaced_workers == 0
+
+
 def test_worker_dying_mid_call_is_retried_as_infra():
     with Sandbox(workers=1, timeout_s=5.0, **LIGHT) as sb:
         pid = sb.worker_pids()[0]

@@ -316,10 +316,13 @@ class _Server:
         child, self.spare = self.spare or self._fork_child(), None
         t0 = time.perf_counter()
         try:
-            try:
-                send_msg(child.ctl_w, req)
-            except BrokenPipeError:  # the spare died while waiting: report what it said
-                pass
+            send_msg(child.ctl_w, req)
+        except BrokenPipeError:  # the spare died while waiting (not the code's doing): discard
+            _discard(child)
+            child = self._fork_child()
+            t0 = time.perf_counter()
+            send_msg(child.ctl_w, req)  # a second failure propagates: S exits, is replaced
+        try:
             os.close(child.ctl_w)
             result = self._watch(child.pid, child.out_r, child.err_r, child.rep_r, t0)
         except BaseException:
@@ -401,6 +404,16 @@ class _Server:
             os.close(fd)
         return _classify(status, killed_for, bytes(bufs[out_r]), bytes(bufs[err_r]),
                          bytes(bufs[rep_r]), duration, self.iso)
+
+
+def _discard(child: _Spare) -> None:
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(child.pid, 0)
+    for fd in (child.out_r, child.err_r, child.rep_r, child.ctl_w):
+        os.close(fd)
 
 
 def _empty_dir(path: str) -> None:
