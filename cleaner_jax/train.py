@@ -27,11 +27,10 @@ from ml_collections import config_flags
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from cleaner_jax.agent.config import AgentConfig, SaarConfig
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
-from cleaner_jax.config import validate
-from cleaner_jax.data.problems import BENCHMARKS, Problem, load_agentrl, load_benchmark
+from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.data import toy_task
 from cleaner_jax.eval.runner import evaluate, write_report
@@ -39,8 +38,7 @@ from cleaner_jax.experience import Collector, Scored, group_advantages, learner_
 from cleaner_jax.models import qwen
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rl.advantages import informative_groups
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
-from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.weight_sync import export_and_sync
@@ -49,67 +47,11 @@ from cleaner_jax.saar.metrics import step_metrics
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.viz.episode_io import write_episodes
 from cleaner_jax.warm_start import warm_start
+from cleaner_jax.wiring import (agent_config, eval_benchmarks, eval_sampling, learner_config, train_sampling,
+                                training_problems)
 
 log = logging.getLogger("cleaner_jax.train")
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "ml-collections config file (configs/*.py)", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard events and dumps")
-
-
-# ----------------------------------------------------------------------------- config mapping
-
-
-def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
-    s = c.saar
-    return AgentConfig(
-        max_assistant_turns=c.agent.max_assistant_turns, max_user_turns=c.agent.max_user_turns,
-        max_prompt_tokens=c.agent.max_prompt_tokens, max_response_tokens=c.agent.max_response_tokens,
-        saar=SaarConfig(enable=s.enable, max_retries=s.max_retries, gamma=s.gamma,
-                        rollback_probability=s.rollback_probability, similarity=s.similarity,
-                        autojunk=s.autojunk, logprob_mode=s.logprob_mode,
-                        keep_failed_attempts=s.keep_failed_attempts))
-
-
-def learner_config(c: ml_collections.ConfigDict, workdir: Path) -> LearnerConfig:
-    a = c.algo
-    return LearnerConfig(
-        loss=LossConfig(kind=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip,
-                        agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_type, entropy_coef=a.entropy_coef,
-                        tis=a.tis, tis_cap=a.tis_cap),
-        optimizer=OptimizerConfig(learning_rate=c.optim.lr, warmup_steps=c.optim.warmup_steps,
-                                  updates_per_lr_step=a.mini_batches_per_step, b1=c.optim.b1, b2=c.optim.b2,
-                                  weight_decay=c.optim.weight_decay, max_grad_norm=c.optim.grad_clip),
-        micro_batch_size=a.micro_batch_size, logprob_micro_batch_size=a.micro_batch_size,
-        temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
-        logprob_chunk_size=a.logprob_chunk, checkpoint_dir=str(workdir / "checkpoints"))
-
-
-def train_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    return {"temperature": c.rollout.temperature, "top_p": c.rollout.top_p, "top_k": c.rollout.top_k}
-
-
-def eval_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    return {**train_sampling(c), "top_p": c.rollout.eval_top_p}
-
-
-def training_problems(c: ml_collections.ConfigDict) -> list[Problem] | None:
-    """None = the endless toy stream."""
-    if c.data.train == "toy":
-        return None
-    return load_agentrl(c.data.train, limit=c.data.train_limit)
-
-
-def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:
-    names = [n.strip() for n in c.data.eval.split(",") if n.strip()]
-    out = {}
-    for name in names:
-        if name == "toy":
-            out["toy"] = toy_task.make_problems(c.data.eval_limit or 16, seed=987_654)
-        elif name in BENCHMARKS:
-            out[name] = load_benchmark(name, tool=c.agent.use_tools, limit=c.data.eval_limit)
-        else:
-            raise ValueError(f"config.data.eval: unknown benchmark {name!r}; use 'toy' or one of {sorted(BENCHMARKS)}")
-    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -339,14 +281,19 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = _CONFIG.value
-    validate(config)
-    workdir = Path(_WORKDIR.value).resolve()
+    config = flags.FLAGS.config
+    try:
+        validate(config)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+    workdir = Path(flags.FLAGS.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     Trainer(config, workdir).run()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags are defined here so that importing this module defines none
+    config_flags.DEFINE_config_file("config", None, "ml-collections config file (configs/*.py)", lock_config=True)
+    flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard events and dumps")
     flags.mark_flags_as_required(["config", "workdir"])
     app.run(main)
