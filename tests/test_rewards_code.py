@@ -149,12 +149,23 @@ def test_infra_failure_is_not_a_score():
     assert r.infra_error and math.isnan(r.score) and "worker died" in r.detail
 
 
-@pytest.mark.slow
-def test_all_reference_solutions_pass():
+@pytest.fixture(scope="module")
+def slow_sandbox():
     with Sandbox(workers=2, timeout_s=60.0) as sb:
-        for row in HUMANEVAL:
-            r = run_tests(_he_reference(row), humaneval_ground_truth(row), sb)
-            assert r.score == 1.0, (row["id"], r.detail)
-        for row in LEETCODE:
-            r = run_tests(row["reference_solution"], leetcode_ground_truth(row), sb)
-            assert r.score == 1.0, (row["id"], r.detail)
+        yield sb
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("idx", range(len(HUMANEVAL)))
+def test_every_humaneval_reference_passes(slow_sandbox, idx):
+    row = HUMANEVAL[idx]
+    r = run_tests(_he_reference(row), humaneval_ground_truth(row), slow_sandbox)
+    assert r.score == 1.0, (row["id"], r.detail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("idx", range(len(LEETCODE)))
+def test_every_leetcode_reference_passes(slow_sandbox, idx):
+    row = LEETCODE[idx]
+    r = run_tests(row["reference_solution"], leetcode_ground_truth(row), slow_sandbox)
+    assert r.score == 1.0, (row["id"], r.detail)
