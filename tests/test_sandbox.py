@@ -84,6 +84,12 @@ def _assert_clean(sb: Sandbox) -> None:
             assert os.listdir(f"/proc/{pid}/root/tmp") == [], "private /tmp not emptied"
 
 
+def _after_hostile(sb: Sandbox) -> None:
+    """Each hostile snippet is followed by a normal call that works, then a leftover check."""
+    _assert_alive(sb)
+    _assert_clean(sb)
+
+
 def _assert_alive(sb: Sandbox) -> None:
     r = sb.run("print('alive')")
     assert (r.status, r.stdout) == ("ok", "alive\n"), r
@@ -189,28 +195,25 @@ def test_infinite_loop_times_out(sandbox):
     t0 = time.monotonic()
     r = sandbox.run("while True:\n    pass")
     assert r.status == "timeout" and time.monotonic() - t0 < TIMEOUT_S + 3
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_fork_bomb_is_contained(sandbox):
     r = sandbox.run("import os\nwhile True:\n    os.fork()")
     assert r.status in ("error", "timeout"), r
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_huge_allocation_is_memory(sandbox):
     assert sandbox.run("x = bytearray(10 * 1024**3)").status == "memory"
     assert sandbox.run("import numpy as np\nx = np.ones(10 * 1024**3 // 8)").status == "memory"
-    _assert_alive(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_output_flood_is_cut(sandbox):
     r = sandbox.run("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)")
     assert r.status == "output_limit" and len(r.stdout) == 100_000
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_loopback_listener_is_unreachable(sandbox):
@@ -224,9 +227,15 @@ def test_loopback_listener_is_unreachable(sandbox):
         r = sandbox.run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), "
                         "timeout=1)\nprint('connected')")
         assert r.status == "error" and "connected" not in r.stdout, r
+        # a child process (not Python-level patching) is cut off too
+        r = sandbox.run("import subprocess, sys\nout = subprocess.run([sys.executable, '-c', "
+                        f"'import socket; socket.create_connection((\"127.0.0.1\", {port}), 1)'],"
+                        " capture_output=True, text=True)\nprint(out.returncode != 0, "
+                        "'unreachable' in out.stderr)")
+        assert r.stdout == "True True\n", r
         with pytest.raises(TimeoutError):
             srv.accept()
-    _assert_alive(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_writes_outside_workdir_do_not_land(sandbox):
@@ -238,7 +247,7 @@ def test_writes_outside_workdir_do_not_land(sandbox):
     assert r.status == "ok", r
     for t in targets:
         assert not os.path.exists(t), f"sandboxed code wrote {t}"
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_disk_filling_is_capped(sandbox):
@@ -248,8 +257,7 @@ def test_disk_filling_is_capped(sandbox):
             "    with open(f'/tmp/f{i}', 'wb') as f:\n        f.write(b'x' * 10_000_000)")
     r = sandbox.run(code)
     assert r.status == "error" and r.error_type == "OSError", r  # ENOSPC at the tmpfs cap
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_parent_env_secrets_are_not_visible(sandbox):
@@ -260,6 +268,7 @@ def test_parent_env_secrets_are_not_visible(sandbox):
     r = sandbox.run(code)
     assert r.status == "ok", r
     assert SECRET not in r.stdout
+    _after_hostile(sandbox)
 
 
 def test_killing_the_parent_does_not_hurt_the_pool(sandbox):
@@ -270,16 +279,14 @@ def test_killing_the_parent_does_not_hurt_the_pool(sandbox):
     r = sandbox.run(code)
     assert "done" in r.stdout or r.status == "error", r
     assert sandbox.pool_size == WORKERS
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_ignoring_sigterm_still_times_out(sandbox):
     r = sandbox.run("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                     "time.sleep(100)")
     assert r.status == "timeout"
-    _assert_alive(sandbox)
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_deep_recursion(sandbox):
@@ -289,13 +296,13 @@ def test_deep_recursion(sandbox):
                     "f(0)")
     # 3.11 keeps Python frames off the C stack: ends in MemoryError, SIGSEGV or the timeout
     assert r.status in ("error", "memory", "timeout"), r
-    _assert_alive(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_closing_stdout(sandbox):
     r = sandbox.run("import os, sys\nsys.stdout.close()\nos.close(1)\nos.close(2)\n42")
     assert r.status != "infra", r
-    _assert_alive(sandbox)
+    _after_hostile(sandbox)
 
 
 def test_background_process_does_not_outlive_the_call(sandbox):
@@ -305,7 +312,7 @@ def test_background_process_does_not_outlive_the_call(sandbox):
             "print('spawned')")
     r = sandbox.run(code)
     assert r.status == "ok" and r.stdout == "spawned\n", r
-    _assert_clean(sandbox)
+    _after_hostile(sandbox)
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if p.info["cmdline"] == ["sleep", "1000"]]
 
