@@ -168,6 +168,9 @@ class Sandbox:
                  warmup: str = DEFAULT_WARMUP,
                  uid_base: int = 64000, uid_count: int = 1000, infra_retries: int = 1,
                  start_timeout_s: float = 120.0) -> None:
+        if not sys.platform.startswith("linux"):
+            raise RuntimeError(f"Sandbox needs Linux (namespaces, pidfd, memfd, /proc); this is "
+                               f"{sys.platform}: run the tool code in a Linux container or VM")
         if workers < 1:
             raise ValueError(f"Sandbox needs workers >= 1, got {workers}")
         self.workers = workers
@@ -176,7 +179,8 @@ class Sandbox:
         self.start_timeout_s = start_timeout_s
         self.replaced_workers = 0
         self.root_dir = tempfile.mkdtemp(prefix="cleaner_sandbox_")
-        os.chmod(self.root_dir, 0o711)  # the unprivileged code may enter its own run dir only
+        os.chmod(self.root_dir, 0o711)  # (used only without a mount namespace) the code's uid
+        # may traverse into its own 0700 work dir, nothing else
         self._base_config = dict(
             timeout_s=timeout_s, memory_mb=memory_mb, output_limit=output_limit,
             file_size_mb=file_size_mb, tmp_size_mb=tmp_size_mb, max_processes=max_processes,
