@@ -31,10 +31,16 @@ from cleaner_jax.rollout.prefix_cache import PrefixCache
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
+def bucket(n: int, minimum: int, step: int = 256) -> int:
+    """Padded size for n: a power of two up to `step`, then a multiple of `step`.
+
+    Powers of two keep small shapes few; linear steps above keep padding waste (and attention
+    over empty cache slots) under `step` for long sequences. Each distinct size compiles once.
+    """
     n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
+    if n <= step:
+        return 1 << (n - 1).bit_length()
+    return -(-n // step) * step
 
 
 def read_eos_ids(model_path: str | Path) -> tuple[int, ...]:
@@ -228,9 +234,10 @@ class Engine:
             entry, cached[i] = self.prefix_cache.lookup(req.input_ids, limit)
             entries.append(entry if cached[i] > 0 else None)
         rem = [len(r.input_ids) - int(c) for r, c in zip(reqs, cached)]
-        t = bucket(max(rem), 16)
-        s_len = bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs) + 1, 64)
-        s_len = max(s_len, bucket(int(cached.max()) + t, 64))
+        t = bucket(max(rem), 16, step=128)
+        # Slots needed: prompt + max_new - 1 (the last sampled token is never fed back). Prefill
+        # padding past the end is dropped by the model's scatter, so S need not cover cached + T.
+        s_len = bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs), 64)
         stop_lists = [self._stop_ids(r.sampling) for r in reqs]
         m = max(1, max(len(x) for x in stop_lists))
         tokens = np.zeros((b, t), np.int32)
@@ -255,19 +262,16 @@ class Engine:
             if sp.sampling_seed is not None:
                 seeds[i] = sp.sampling_seed % (2**32)
         mask[n_req:, 0] = 1  # padding rows: one dummy token, nothing generated
-        params = RowParams(*(jnp.asarray(x) for x in (temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)))
-
-        cache = qwen.init_cache(self.config, b, s_len)
+        # NumPy inputs go to the jitted programs as they are: one transfer each, no eager ops.
+        params = RowParams(temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)
+        cache = _init_cache(self.config, b, s_len)
         k, v = cache.k, cache.v
         for i, entry in enumerate(entries):
             if entry is not None:
-                k, v = _write_row(k, v, entry.k, entry.v, jnp.int32(i))
-        cache = qwen.KVCache(k, v, jnp.asarray(cached))
+                k, v = _write_row(k, v, entry.k, entry.v, np.int32(i))
+        cache = qwen.KVCache(k, v, cached)
         want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
-        ds, first_lp, prompt_lp = self._prefill(
-            self._state, cache, jnp.asarray(tokens), jnp.asarray(mask), params, jnp.asarray(seeds),
-            want_prompt_lp,
-        )
+        ds, first_lp, prompt_lp = self._prefill(self._state, cache, tokens, mask, params, seeds, want_prompt_lp)
         first_tok, first_lp, done = jax.device_get((ds.last, first_lp, ds.done))
         out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(n_req)]
         out_lps = [[float(first_lp[i])] if max_new[i] > 0 else [] for i in range(n_req)]
@@ -277,7 +281,7 @@ class Engine:
             aborted |= self._take_aborted(rids)
             if aborted:
                 abort_rows = np.array([r in aborted for r in rids] + [False] * (b - n_req))
-                ds = ds._replace(done=ds.done | jnp.asarray(abort_rows))
+                ds = ds._replace(done=_or(ds.done, abort_rows))
             ds, chunk_tok, chunk_lp, steps = self._decode(self._state, ds, params, self.decode_chunk)
             chunk_tok, chunk_lp, steps, done = jax.device_get((chunk_tok, chunk_lp, steps, ds.done))
             for i in range(n_req):
@@ -310,7 +314,7 @@ class Engine:
             ))
             kv_tokens = np.asarray(list(req.input_ids) + ids, np.int32)[: int(lengths[i])]
             if len(kv_tokens) > 0:
-                ek, ev = _read_row(ds.cache.k, ds.cache.v, jnp.int32(i), bucket(len(kv_tokens), 16))
+                ek, ev = _read_row(ds.cache.k, ds.cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)
         return results
 
@@ -361,6 +365,10 @@ def _decode(graphdef, state, ds: DecodeState, params: RowParams, chunk: int):
     init = (jnp.int32(0), ds, jnp.full((b, chunk), -1, jnp.int32), jnp.zeros((b, chunk), jnp.float32))
     steps, ds, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
     return ds, out_tok, out_lp, steps
+
+
+_init_cache = jax.jit(qwen.init_cache, static_argnums=(0, 1, 2))
+_or = jax.jit(jnp.logical_or)
 
 
 @jax.jit

@@ -65,7 +65,12 @@ def sample_tokens(
     tempered distribution; the reported log-prob is the *untruncated* tempered one.
     """
     logprobs = scaled_logprobs(logits, temperature)  # [B, V]
-    keep = truncation_mask(logprobs, top_p, top_k, min_p)
+    truncating = (temperature > 0) & ((top_p < 1.0) | (top_k > 0) | (min_p > 0))
+    keep = jax.lax.cond(  # the sort behind truncation is skipped when no row needs it
+        jnp.any(truncating),
+        lambda: truncation_mask(logprobs, top_p, top_k, min_p),
+        lambda: jnp.ones(logprobs.shape, bool),
+    )
     masked = jnp.where(keep, logprobs, -jnp.inf)
     sampled = jax.vmap(jax.random.categorical)(keys, masked)
     greedy = jnp.argmax(logprobs, axis=-1)
