@@ -1,0 +1,177 @@
+"""Learner train-step speed: cleaner_jax's jitted step vs a PyTorch eager implementation of the
+same PPO loss (clip-higher, dual clip, token-mean, AdamW + grad clip) on the same HF model, and
+both as a fraction of this machine's f32 matmul peak measured in the same run.
+
+    .venv/bin/python bench/learner.py                 # toy + ~30M configs
+    .venv/bin/python bench/learner.py --configs 30m --steps 3 --rounds 3
+
+Model FLOPs per step are 3x the forward FLOPs (2 per multiply-add of every matmul weight, plus
+the full [T, T] attention scores and weighted sum, which both implementations compute); the
+learner's rematerialised LM-head chunks are extra work that is not counted. Runs alternate
+between JAX and torch and report medians, because this VM's timings drift (research/env.md §5).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from cleaner_jax.models import qwen
+from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.testing.tiny import make_tiny_checkpoint, tiny_config
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    batch: int
+    seq: int
+    overrides: dict[str, Any]
+
+
+CONFIGS = {
+    "toy": BenchConfig("toy (tiny_config)", 8, 128, {}),
+    "30m": BenchConfig("~30M", 8, 256, dict(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                            head_dim=64, max_window_layers=8)),
+}
+
+
+def train_flops_per_step(hf: dict[str, Any], batch: int, seq: int) -> float:
+    h, i, v, n_layers = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["num_hidden_layers"]
+    hd = hf.get("head_dim") or h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    matmul_params = n_layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + h * v
+    fwd_per_token = 2 * matmul_params + n_layers * 4 * seq * q
+    return 3.0 * fwd_per_token * batch * seq
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """Best-of f32 n x n matmul FLOP/s for JAX (XLA CPU) and torch."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    jt = min(_timed(lambda: f(a).block_until_ready()) for _ in range(reps))
+    ta = torch.randn(n, n)
+    ta @ ta
+    tt = min(_timed(lambda: ta @ ta) for _ in range(reps))
+    return 2 * n**3 / jt, 2 * n**3 / tt
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def make_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, vocab, size=(batch, seq)).astype(np.int32)
+    attn = np.ones((batch, seq), np.float32)
+    loss = np.zeros((batch, seq), np.float32)
+    loss[:, seq // 8:] = 1.0  # a short prompt, then policy tokens
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss,
+            "advantages": rng.normal(size=(batch,)).astype(np.float32)}
+
+
+class TorchPPO:
+    """The same step in PyTorch eager: HF logits, log-softmax gather, PPO clip-higher + dual clip,
+    token-mean, clip_grad_norm_, AdamW."""
+
+    def __init__(self, path: str, loss: LossConfig, opt: OptimizerConfig):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.loss, self.opt_cfg = loss, opt
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=opt.learning_rate, betas=(opt.b1, opt.b2),
+                                     eps=opt.eps, weight_decay=opt.weight_decay)
+
+    def step(self, b: dict[str, torch.Tensor]) -> float:
+        ids = b["input_ids"]
+        logits = self.model(input_ids=ids, attention_mask=b["attention_mask"]).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask, old, adv = b["loss_mask"][:, 1:], b["old_logprobs"][:, 1:], b["advantages"][:, None]
+        ratio = torch.exp(torch.clamp(logp - old, -20, 20))
+        l1 = -adv * ratio
+        l2 = -adv * torch.clamp(ratio, 1 - self.loss.clip_low, 1 + self.loss.clip_high)
+        lc = torch.maximum(l1, l2)
+        l_tok = torch.where(adv < 0, torch.minimum(lc, -adv * self.loss.dual_clip_c), lc)
+        loss = (l_tok * mask).sum() / mask.sum()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt_cfg.max_grad_norm)
+        self.opt.step()
+        return loss.item()
+
+
+def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
+        hf = tiny_config("qwen3", **bc.overrides)
+        loss_cfg = LossConfig()
+        opt = OptimizerConfig(learning_rate=1e-5, warmup_steps=0)
+        learner = Learner(qwen.from_pretrained(path), LearnerConfig(
+            loss=loss_cfg, optimizer=opt, micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch,
+            logprob_chunk_size=min(1024, bc.seq)))
+        batch = make_batch(bc.batch, bc.seq, hf["vocab_size"])
+        batch = learner.add_old_logprobs(batch)
+        tb = {k: torch.tensor(v, dtype=torch.long if k in ("input_ids", "attention_mask") else torch.float32)
+              for k, v in batch.items()}
+        ref = TorchPPO(str(path), loss_cfg, opt)
+
+        t0 = time.perf_counter()
+        learner.train_step(batch)  # compile
+        compile_s = time.perf_counter() - t0
+        learner.train_step(batch)
+        ref.step(tb)
+        ref.step(tb)
+        jax_times, torch_times = [], []
+        for _ in range(rounds):
+            jax_times += [_timed(lambda: learner.train_step(batch)) for _ in range(steps)]
+            torch_times += [_timed(lambda: ref.step(tb)) for _ in range(steps)]
+    flops = train_flops_per_step(hf, bc.batch, bc.seq)
+    jt, tt = statistics.median(jax_times), statistics.median(torch_times)
+    tokens = bc.batch * bc.seq
+    return {"compile_s": compile_s, "jax_s": jt, "torch_s": tt, "jax_tok_s": tokens / jt, "torch_tok_s": tokens / tt,
+            "jax_flops": flops / jt, "torch_flops": flops / tt, "jax_frac_peak": flops / jt / peak,
+            "torch_frac_peak": flops / tt / peak, "gflop_per_step": flops / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="toy,30m", help=f"comma-separated subset of {sorted(CONFIGS)}")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating JAX/torch rounds")
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    jpeak, tpeak = matmul_peak()
+    peak = max(jpeak, tpeak)
+    print(f"f32 2048^3 matmul peak: JAX {jpeak / 1e9:.1f} GFLOP/s, torch {tpeak / 1e9:.1f} GFLOP/s -> peak {peak / 1e9:.1f}")
+    print(f"{'config':<18}{'B x T':>10}{'GFLOP/step':>12}{'JAX s':>8}{'torch s':>9}{'JAX tok/s':>11}{'torch tok/s':>12}"
+          f"{'JAX %peak':>10}{'torch %peak':>12}{'JAX/torch speed':>16}{'compile s':>11}")
+    for n in names:
+        bc = CONFIGS[n]
+        r = bench_config(bc, args.steps, args.rounds, peak)
+        print(f"{bc.name:<18}{f'{bc.batch}x{bc.seq}':>10}{r['gflop_per_step']:>12.2f}{r['jax_s']:>8.3f}{r['torch_s']:>9.3f}"
+              f"{r['jax_tok_s']:>11.0f}{r['torch_tok_s']:>12.0f}{100 * r['jax_frac_peak']:>9.1f}%"
+              f"{100 * r['torch_frac_peak']:>11.1f}%{r['torch_s'] / r['jax_s']:>15.2f}x{r['compile_s']:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
