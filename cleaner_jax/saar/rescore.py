@@ -31,10 +31,14 @@ def _check(input_ids: list[int], start: int, temperature: float) -> None:
         raise ValueError(f"rescore temperature={temperature} must be > 0 (greedy has no log-probs to match)")
 
 
-def _gather(logits: jax.Array, targets: jax.Array, temperature: float) -> np.ndarray:
-    """logits [N, V] scoring targets [N] -> log-probs [N] (float32)."""
+@jax.jit
+def _next_token_logprobs(logits: jax.Array, ids: jax.Array, temperature: jax.Array) -> jax.Array:
+    """logits [W, V] at positions p, ids [W] of those positions -> [W] with entry p =
+    log_softmax(logits[p] / T)[ids[p + 1]] (the last entry scores a dummy and is dropped).
+    Fixed shapes per bucket, so slicing to the wanted range happens afterwards in NumPy."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return np.asarray(jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0])
+    targets = jnp.concatenate([ids[1:], ids[:1]])
+    return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
 
 
 class ModelRescorer:
@@ -60,7 +64,8 @@ class ModelRescorer:
         ids = np.zeros((1, _bucket(n, self.bucket)), np.int32)  # [1, T_pad]
         ids[0, :n] = input_ids
         logits = self._forward(self._state, jnp.asarray(ids))[0]  # [T_pad, V]
-        return _gather(logits[start - 1 : n - 1], jnp.asarray(input_ids[start:], jnp.int32), temperature).tolist()
+        lp = np.asarray(_next_token_logprobs(logits, jnp.asarray(ids[0]), jnp.float32(temperature)))
+        return lp[start - 1 : n - 1].tolist()
 
 
 def _bucket(n: int, step: int) -> int:
@@ -73,11 +78,13 @@ class PrefixCachedRescorer:
 
     Feed it the context as the episode grows (`extend`), or let consecutive `score` calls of
     one trajectory share their prefix; the cost of a call is then the spliced span, not the
-    whole trajectory. New tokens are padded to multiples of `bucket` to bound recompilation.
-    `tokens_computed` counts the (unpadded) positions actually run, for benchmarks.
+    whole trajectory. The cache has a fixed `max_len` slots (default: the model's
+    `max_position_embeddings`) and new tokens are padded to multiples of `bucket`, so the
+    jitted forward compiles once per bucket. `tokens_computed` counts the (unpadded) positions
+    actually run, for benchmarks.
     """
 
-    def __init__(self, model: Any, bucket: int = 64) -> None:
+    def __init__(self, model: Any, bucket: int = 64, max_len: int | None = None) -> None:
         from flax import nnx
 
         from cleaner_jax.models import qwen
@@ -85,6 +92,7 @@ class PrefixCachedRescorer:
         self._qwen = qwen
         self.config = model.config
         self.bucket = bucket
+        self.max_len = max_len or model.config.max_position_embeddings
         graphdef, self._state = nnx.split(model)
 
         def forward(state: Any, ids: jax.Array, mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
@@ -95,13 +103,15 @@ class PrefixCachedRescorer:
         self._cache: Any = None
         self.tokens_computed = 0
 
-    def _run(self, input_ids: list[int], keep: int) -> jax.Array:
-        """Run input_ids[keep:] on top of the cached first `keep` tokens; logits [N, V]."""
-        needed = _bucket(len(input_ids) + self.bucket, 256)
-        if self._cache is None or self._cache.max_len < needed:
-            self._cache, keep = self._qwen.init_cache(self.config, 1, needed), 0
+    def _run(self, input_ids: list[int], keep: int, temperature: float = 1.0) -> np.ndarray:
+        """Run input_ids[keep:] on top of the cached first `keep` tokens; returns, for each new
+        position p (padded width), log p(input_ids[p + 1] | ...) at `temperature`."""
         new = input_ids[keep:]
         width = _bucket(len(new), self.bucket)
+        if keep + width > self.max_len:
+            raise ValueError(f"rescorer cache holds {self.max_len} tokens; {len(input_ids)} (+ padding) do not fit")
+        if self._cache is None:  # first call: nothing cached, so keep == 0
+            self._cache = self._qwen.init_cache(self.config, 1, self.max_len)
         ids = np.zeros((1, width), np.int32)
         ids[0, : len(new)] = new
         mask = np.zeros((1, width), np.int32)
@@ -110,7 +120,7 @@ class PrefixCachedRescorer:
         logits, self._cache = self._forward(self._state, jnp.asarray(ids), jnp.asarray(mask), cache)
         self._ids = list(input_ids)
         self.tokens_computed += len(new)
-        return logits[0, : len(new)]
+        return np.asarray(_next_token_logprobs(logits[0], jnp.asarray(ids[0]), jnp.float32(temperature)))
 
     def _common_prefix(self, input_ids: list[int]) -> int:
         n = min(len(self._ids), len(input_ids))
@@ -127,6 +137,5 @@ class PrefixCachedRescorer:
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
         _check(input_ids, start, temperature)
         keep = min(self._common_prefix(input_ids), start - 1)
-        logits = self._run(list(input_ids), keep)  # rows: positions keep .. T-1
-        rows = logits[start - 1 - keep : len(input_ids) - 1 - keep]
-        return _gather(rows, jnp.asarray(input_ids[start:], jnp.int32), temperature).tolist()
+        lp = self._run(list(input_ids), keep, temperature)  # entry j: position keep + j
+        return lp[start - 1 - keep : len(input_ids) - 1 - keep].tolist()
