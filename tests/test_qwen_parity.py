@@ -49,7 +49,12 @@ def test_logits_match_transformers(case):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_left_padded_batch_with_mask_and_positions(case):
+SUBSET = ("qwen3_tied", "qwen2_untied")  # cases for the slower mask/hidden-state checks (keep the suite fast)
+
+
+def test_left_padded_batch_with_mask_and_positions(case, request):
+    if request.node.callspec.params["case"] not in SUBSET:
+        pytest.skip("covered by the logits test; mask handling is family-agnostic")
     """Left padding: pad keys are never attended and positions skip the pads, as in HF."""
     rng = np.random.default_rng(1)
     ids = rng.integers(3, 512, (2, 10))
@@ -68,7 +73,9 @@ def test_left_padded_batch_with_mask_and_positions(case):
     np.testing.assert_allclose(ours[1, 4:], alone[0], atol=1e-4, rtol=0)
 
 
-def test_hidden_states_and_lm_head_kernel_give_logits(case):
+def test_hidden_states_and_lm_head_kernel_give_logits(case, request):
+    if request.node.callspec.params["case"] not in SUBSET:
+        pytest.skip("covered by the logits test")
     model, hf_model = case
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (1, 8)), jnp.int32)
     logits = nnx.jit(lambda m, x: qwen.logits_from_hidden(m.hidden_states(x), m.lm_head_kernel()))(model, ids)

@@ -73,16 +73,20 @@ def attention(
     KV heads are never repeated: q is viewed as [B, T, KV, G, hd] and contracted per group.
     """
     b, t, n, hd = q.shape
-    kv = k.shape[2]
+    kv, s = k.shape[2], k.shape[1]
+    g = n // kv
     scale = hd**-0.5
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, mask, scale)
-    qg = q.reshape(b, t, kv, n // kv, hd)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, KV, G, T, S]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, hd)
+    # The G query heads of a group are folded into the row axis: one [G*T, hd] x [hd, S] matmul
+    # per (batch, kv head) is ~1.6x faster on XLA CPU than G separate ones (bench/model_step.py).
+    qg = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, hd)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
+    scores = jnp.einsum("bkqh,bksh->bkqs", qg, kt, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, s), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, s)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, vt)  # [B, KV, G*T, hd]
+    return out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
 
 
 def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:

@@ -57,7 +57,8 @@ def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) 
 
 def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [..., H] @ kernel [H, V] in float32: how `Qwen.__call__` turns hidden states into logits."""
-    return jnp.dot(h.astype(jnp.float32), kernel.astype(jnp.float32))
+    flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # 2-D dots are faster on XLA CPU (bench/model_step.py)
+    return jnp.dot(flat, kernel.astype(jnp.float32)).reshape(*h.shape[:-1], kernel.shape[-1])
 
 
 class RMSNorm(nnx.Module):
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
 
     def __call__(
         self,
-        x: jax.Array,  # [B, T, H]
+        x: jax.Array,  # [B*T, H]
+        shape: tuple[int, int],  # (B, T)
         cos: jax.Array,  # [B, T, hd]
         sin: jax.Array,
         mask: jax.Array,  # [B, T, S] bool
@@ -98,7 +100,7 @@ class Attention(nnx.Module):
         slots: jax.Array | None,  # [B, T] cache slots of the new tokens
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         cfg = self.cfg
-        b, t, _ = x.shape
+        b, t = shape
         q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -114,7 +116,7 @@ class Attention(nnx.Module):
             kv = (k_all, v_all)
             k, v = k_all[layer].astype(x.dtype), v_all[layer].astype(x.dtype)  # [B, S, KV, hd]
         out = layers.attention(q, k, v, mask, cfg.attention_impl)  # [B, T, N, hd]
-        return self.o_proj(out.reshape(b, t, -1)), kv
+        return self.o_proj(out.reshape(b * t, -1)), kv
 
 
 class MLP(nnx.Module):
@@ -134,8 +136,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv, layer, slots):
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, layer, slots)
+    def __call__(self, x, shape, cos, sin, mask, kv, layer, slots):
+        """x: the residual stream flattened to [B*T, H] (2-D dots are faster on XLA CPU)."""
+        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, layer, slots)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -201,19 +204,19 @@ class Qwen(nnx.Module):
                 positions = slots
             mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)
             kv = (cache.k, cache.v)
-        x = self.embed_tokens(input_ids)  # [B, T, H]
+        x = self.embed_tokens(input_ids).reshape(b * t, cfg.hidden_size)  # [B*T, H]
         cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
-            x, kv = self._layer_fn(i)(layer, x, cos, sin, mask, kv, slots)
-        h = self.norm(x)
+            x, kv = self._layer_fn(i, (b, t))(layer, x, cos, sin, mask, kv, slots)
+        h = self.norm(x).reshape(b, t, cfg.hidden_size)
         if cache is None:
             return h
         added = t if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
         return h, KVCache(kv[0], kv[1], cache.lengths + added)
 
-    def _layer_fn(self, i: int):
+    def _layer_fn(self, i: int, shape: tuple[int, int]):
         def run(layer: DecoderLayer, x, cos, sin, mask, kv, slots):
-            return layer(x, cos, sin, mask, kv, i, slots)
+            return layer(x, shape, cos, sin, mask, kv, i, slots)
 
         if self.config.remat == "none":
             return run
