@@ -150,12 +150,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer repeats")
     parser.add_argument("--torch-threads", type=int, default=2, help="2 = research/perf_anchors.md setting")
+    parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 8 64)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3)")
     args = parser.parse_args()
     shape = dict(MODEL_5M)
     batches, new, repeats, first, turn = [1, 8, 64], 128, 3, 256, 256
     if args.quick:
         shape = {}
         batches, new, repeats, first, turn = [1, 8], 32, 2, 64, 64
+    batches, repeats = args.batches or batches, args.repeats or repeats
     torch.set_num_threads(args.torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(Path(tmp) / "ckpt", **shape)

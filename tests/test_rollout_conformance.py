@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _rollout_common import checkpoint, engine
+from _rollout_common import call, checkpoint, engine
 from cleaner_jax.rollout.scheduler import EngineGenerate
 from cleaner_jax.rollout.server import start_server_in_thread
-from test_rollout_server import call
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sglang" / "conformance.json"
 STABLE_META = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version"}

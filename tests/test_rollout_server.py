@@ -3,14 +3,13 @@ import asyncio
 import json
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from _rollout_common import checkpoint, engine, hf_greedy, hf_logprobs
+from _rollout_common import call, checkpoint, engine, hf_greedy, hf_logprobs
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.server import start_server_in_thread
 
@@ -23,20 +22,6 @@ def server():
     handle = start_server_in_thread(engine=engine())
     yield handle
     handle.stop()
-
-
-def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
 
 
 def test_health_is_503_until_loaded_then_200():
@@ -196,3 +181,49 @@ def test_client_against_server_generate_and_score(server):
     out, scored = asyncio.run(go())
     assert out.output_ids == hf_greedy(A, 8) and out.finish_reason == "length"
     np.testing.assert_allclose(scored, hf_logprobs(A + out.output_ids, 1.0)[2:], atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cli_server_killed_mid_request_gives_clear_error():
+    """The real CLI in a subprocess, SIGKILLed while a long request is in flight."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from cleaner_jax.rollout.client import RolloutServerError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cleaner_jax.rollout.server", "--model-path", str(checkpoint(0)),
+                             "--host", "127.0.0.1", "--port", str(port)], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if call(url, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("CLI server never became healthy")
+        client = SGLangClient(url, retries=1, backoff_s=0.1)
+
+        async def go():
+            task = asyncio.create_task(client(A, {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}))
+            await asyncio.sleep(2.0)
+            assert not task.done()
+            os.killpg(proc.pid, signal.SIGKILL)
+            with pytest.raises(RolloutServerError, match="failed after 2 attempts"):
+                await task
+
+        asyncio.run(go())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
