@@ -88,7 +88,7 @@ class Trainer:
             model = qwen.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
                                          compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl,
                                          remat=c.model.remat)
-            learner = Learner(model, learner_config(c, wd), mesh)
+            learner = Learner(model, learner_config(c), mesh, checkpoint_dir=wd / "checkpoints")
             stack.callback(learner.close)
             start, state = 0, {}
             if learner.latest_checkpoint() is not None:
@@ -145,7 +145,8 @@ class _StepLoop:
             metrics = self.update(scored)
             t_update = time.perf_counter() - t0 - t_rollout
             sync = self.sync(step + 1)
-            metrics.update(self.rollout_metrics(scored), {
+            metrics.update(self.rollout_metrics(scored))
+            metrics.update({
                 "data/sampling_rounds": float(rounds), "data/position": float(sampler.position),
                 "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": sync.seconds,
                 "weight_sync/probe_gap": max(sync.probe_gap.values(), default=0.0),

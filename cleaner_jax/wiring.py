@@ -2,7 +2,6 @@
 the data sources it names. Shared by `train` and `evaluate`."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import ml_collections
@@ -25,7 +24,7 @@ def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
                         keep_failed_attempts=s.keep_failed_attempts))
 
 
-def learner_config(c: ml_collections.ConfigDict, workdir: Path) -> LearnerConfig:
+def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
     a = c.algo
     return LearnerConfig(
         loss=LossConfig(kind=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip,
@@ -36,7 +35,7 @@ def learner_config(c: ml_collections.ConfigDict, workdir: Path) -> LearnerConfig
                                   weight_decay=c.optim.weight_decay, max_grad_norm=c.optim.grad_clip),
         micro_batch_size=a.micro_batch_size, logprob_micro_batch_size=a.micro_batch_size,
         temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
-        logprob_chunk_size=a.logprob_chunk, checkpoint_dir=str(workdir / "checkpoints"))
+        logprob_chunk_size=a.logprob_chunk)
 
 
 def train_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
