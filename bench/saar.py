@@ -145,7 +145,7 @@ async def run_part_a(tok: Any, episodes: int) -> None:
         print(f"{key:<28}{a:>12.1f}{b:>12.1f}{a / b:>9.3f}")
 
 
-async def run_part_b(tok: Any, model_dir: str, episodes: int) -> None:
+async def run_part_b(tok: Any, model_dir: str, episodes: int, bucket: int) -> None:
     from cleaner_jax.models import qwen
     from cleaner_jax.saar.rescore import ModelRescorer, PrefixCachedRescorer
 
@@ -183,7 +183,7 @@ async def run_part_b(tok: Any, model_dir: str, episodes: int) -> None:
         else:
             del ops[mark:]
 
-    cached, full = PrefixCachedRescorer(model, max_len=2048), ModelRescorer(model)
+    cached, full = PrefixCachedRescorer(model, bucket=bucket, max_len=2048), ModelRescorer(model)
 
     async def replay_cached() -> tuple[float, int]:
         seconds, tokens = 0.0, 0
@@ -210,7 +210,8 @@ async def run_part_b(tok: Any, model_dir: str, episodes: int) -> None:
     spliced = sum(int(t.spliced.sum()) for t in purified)
     share = spliced / full_tokens
     print(f"\nPart B: {len(purified)} purified trajectories with splices ({model.config.num_hidden_layers} layers, "
-          f"hidden {model.config.hidden_size}); spliced tokens {spliced} of {full_tokens} ({share:.4f})")
+          f"hidden {model.config.hidden_size}, rescorer bucket {bucket}); spliced tokens {spliced} of {full_tokens} "
+          f"({share:.4f})")
     print(f"{'':<24}{'rescore spliced':>16}{'full recompute':>16}{'ratio':>9}{'ratio/share':>13}")
     tok_ratio = cached_tokens / full_tokens
     print(f"{'tokens computed':<24}{cached_tokens:>16d}{full_tokens:>16d}{tok_ratio:>9.4f}{tok_ratio / share:>13.2f}")
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--rescore-episodes", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random Qwen3 model of part B")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--bucket", type=int, default=32, help="padding bucket of the prefix-cached rescorer")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -237,7 +239,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     asyncio.run(run_part_a(tok, args.episodes))
     if args.rescore_episodes:
-        asyncio.run(run_part_b(tok, model_dir, args.rescore_episodes))
+        asyncio.run(run_part_b(tok, model_dir, args.rescore_episodes, args.bucket))
 
 
 if __name__ == "__main__":
