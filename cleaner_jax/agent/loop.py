@@ -30,7 +30,6 @@ from cleaner_jax.agent.trajectory import (
     RawTrajectory,
     SaarEvent,
     Segment,
-    SpliceKind,
     ToolStats,
     Trajectory,
 )
