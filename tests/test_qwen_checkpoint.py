@@ -162,3 +162,16 @@ def test_missing_and_unexpected_tensors_are_named(qwen3_dir, tmp_path):
     _rewrite_weights(d2, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", np.zeros(64, np.float32)))
     with pytest.raises(ValueError, match=r"does not use: \['model\.layers\.0\.self_attn\.q_proj\.bias'\]"):
         qwen.from_pretrained(d2)
+
+
+def test_in_place_weight_update_reaches_a_compiled_forward(qwen3_dir, tmp_path):
+    """Weight sync: nnx.update(model, new_state) changes what an already-jitted forward computes."""
+    other = make_tiny_checkpoint(tmp_path / "other", "qwen3", seed=99, with_tokenizer=False)
+    model = qwen.from_pretrained(qwen3_dir)
+    forward = nnx.jit(lambda m, x: m(x))
+    ids = np.random.default_rng(4).integers(0, 512, (1, 6))
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(ids, jnp.int32))), hf_logits(qwen3_dir, ids),
+                               atol=1e-4, rtol=0)
+    nnx.update(model, nnx.state(qwen.from_pretrained(other), nnx.Param))
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(ids, jnp.int32))), hf_logits(other, ids),
+                               atol=1e-4, rtol=0)
