@@ -12,6 +12,22 @@ Run: `.venv/bin/python bench/rollout.py [--quick]`.
    Goal: <= 1.3x. The same four turns with the cache flushed before each are shown too.
 3. HTTP overhead: a 1-token request with a cached 64-token prompt, sequentially over a keep-alive
    connection to the embedded server, minus the same request run in process. Target < 5 ms.
+
+Findings (2026-11-30, 5M Qwen3 shape, f32, box heavily shared: load average ~10 on 2 cores, so
+absolute numbers are depressed; ratios are per repeat; torch 1 thread, since 2 threads collapsed
+to ~3 tok/s under that load):
+- decode engine / HF generate: batch 1 14.3x (86 vs 8 tok/s), batch 8 2.0x (181 vs 96),
+  batch 64 0.55x (232 vs 408). Goal >= 3x at batch 8 NOT met. Diagnosis: one cached decode
+  step of the model costs ~0.5 ms per cache slot at batch 64 (B=64: S=64 55 ms, S=256 130 ms,
+  S=1024 520 ms per step; B=8, S=256: 20 ms), i.e. it is bound by per-step copies of the KV
+  cache inside `qwen.Qwen.__call__` (a bare in-place scatter of the same cache in a fori_loop
+  costs 1 ms/step; sampling adds < 5%). The engine's own loop (jitted prefill + while_loop
+  decode, one host sync per 64 tokens) is not the bottleneck.
+- 4-turn trajectory (256 + 3 x 256 tokens): prefix reuse 0.91x of one cold 1024-token prefill
+  (goal <= 1.3x: met); flushing every turn 2.16x; cached tokens per turn 0/256/512/768.
+- HTTP overhead: 8.8 ms per 1-token request (36.0 vs 27.1 ms in process); target < 5 ms not
+  met under this load (three threads of one process, client, server loop and engine worker,
+  contend for the GIL and two busy cores).
 """
 from __future__ import annotations
 

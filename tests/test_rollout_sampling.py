@@ -57,7 +57,7 @@ def test_sample_tokens_greedy_argmax_and_untruncated_logprob():
 
 def test_sampled_frequencies_follow_truncated_distribution():
     logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
-    n = 4000
+    n = 2000
     keys = jax.random.split(jax.random.key(3), n)
     tok, _ = jax.vmap(
         lambda k: sampling.sample_tokens(
@@ -66,7 +66,7 @@ def test_sampled_frequencies_follow_truncated_distribution():
     )(keys)
     counts = np.bincount(np.asarray(tok).ravel(), minlength=4) / n
     assert counts[2] == 0 and counts[3] == 0
-    np.testing.assert_allclose(counts[:2], [4 / 7, 3 / 7], atol=0.03)
+    np.testing.assert_allclose(counts[:2], [4 / 7, 3 / 7], atol=0.04)
 
 
 def test_next_token_logprobs_shift():
