@@ -69,9 +69,10 @@ def validate_batch(batch: Mapping[str, Any], micro_batch_size: int | None = None
     if np.any(loss > attn):
         raise ValueError("learner batch: loss_mask is 1 on a padding position (attention_mask 0)")
     for k in ("advantages",) + OPTIONAL_KEYS:
-        if k in out and not np.all(np.isfinite(np.where(np.broadcast_to(loss > 0, out[k].shape)
-                                                         if out[k].ndim == 2 else True, out[k], 0.0))):
-            raise ValueError(f"learner batch: {k} is not finite on a policy token")
+        if k in out:
+            on_policy = out[k][loss > 0] if out[k].ndim == 2 else out[k][loss.sum(axis=1) > 0]
+            if not np.all(np.isfinite(on_policy)):
+                raise ValueError(f"learner batch: {k} is not finite on a policy token")
     if micro_batch_size is not None and b % micro_batch_size:
         raise ValueError(f"learner batch: batch size {b} is not a multiple of micro_batch_size {micro_batch_size}")
     return out

@@ -201,8 +201,9 @@ class Learner:
 
     `model` is an NNX module with ``hidden_states(ids, attention_mask=)`` and
     ``lm_head_kernel()`` (`cleaner_jax.models.qwen.Qwen`), already placed on `mesh` if given
-    (``qwen.from_pretrained(path, mesh=mesh)``). The learner takes over its state; read the
-    current weights back with `model()` (e.g. for `qwen.save_pretrained` / weight sync).
+    (``qwen.from_pretrained(path, mesh=mesh)``). The learner takes over its state (the passed
+    module's arrays are freed by the first update); read the current weights back with
+    `model()` (e.g. for `qwen.save_pretrained` / weight sync).
     `save`/`restore` need a `checkpoint_dir`.
     """
 
@@ -268,7 +269,11 @@ class Learner:
 
     # -- state
     def model(self) -> nnx.Module:
-        """The policy as an NNX module with the current weights (shares arrays; do not train it)."""
+        """The policy as an NNX module with the current weights, e.g. for `qwen.save_pretrained`.
+
+        It shares the learner's arrays, which the next `train_step` donates (frees): use it
+        before that step, or copy what you need.
+        """
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     def save(self, step: int, extra_state: Mapping[str, Any] | None = None) -> None:
