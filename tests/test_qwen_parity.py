@@ -52,9 +52,8 @@ def test_logits_match_transformers(case):
 SUBSET = ("qwen3_tied", "qwen2_untied")  # cases for the slower mask/hidden-state checks (keep the suite fast)
 
 
-def test_left_padded_batch_with_mask_and_positions(case, request):
-    if request.node.callspec.params["case"] not in SUBSET:
-        pytest.skip("covered by the logits test; mask handling is family-agnostic")
+@pytest.mark.parametrize("case", SUBSET, indirect=True)
+def test_left_padded_batch_with_mask_and_positions(case):
     """Left padding: pad keys are never attended and positions skip the pads, as in HF."""
     rng = np.random.default_rng(1)
     ids = rng.integers(3, 512, (2, 10))
@@ -73,9 +72,8 @@ def test_left_padded_batch_with_mask_and_positions(case, request):
     np.testing.assert_allclose(ours[1, 4:], alone[0], atol=1e-4, rtol=0)
 
 
-def test_hidden_states_and_lm_head_kernel_give_logits(case, request):
-    if request.node.callspec.params["case"] not in SUBSET:
-        pytest.skip("covered by the logits test")
+@pytest.mark.parametrize("case", SUBSET, indirect=True)
+def test_hidden_states_and_lm_head_kernel_give_logits(case):
     model, hf_model = case
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 512, (1, 8)), jnp.int32)
     logits = nnx.jit(lambda m, x: qwen.logits_from_hidden(m.hidden_states(x), m.lm_head_kernel()))(model, ids)
