@@ -37,6 +37,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.eval = "toy"  # "toy", a shipped benchmark name(s) "aime24,aime25", or "" for none
     c.data.eval_limit = _OPTIONAL(int)
     c.data.seed = 0
+    c.data.toy_max_operand = 99  # toy task: operands in [2, toy_max_operand]
+    c.data.toy_num_ops = 2  # toy task: operators per expression
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.backend = "embedded"  # embedded (our server, started by the trainer) | sglang
@@ -154,6 +156,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.data.train != "toy":
         _check(os.path.exists(c.data.train), "data.train",
                f"training data {c.data.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
+    _check(c.data.toy_max_operand >= 2, "data.toy_max_operand", "must be >= 2")
+    _check(c.data.toy_num_ops >= 1, "data.toy_num_ops", "must be >= 1")
     _check(c.rollout.backend in ("embedded", "sglang"), "rollout.backend", "must be embedded or sglang")
     _check(c.rollout.backend != "sglang" or bool(c.rollout.server_urls), "rollout.server_urls",
            "backend=sglang needs at least one server URL")

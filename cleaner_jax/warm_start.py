@@ -23,18 +23,19 @@ from cleaner_jax.agent.tools import ToolExecutor
 from cleaner_jax.agent.trajectory import to_batch
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data import toy_task
+from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.wiring import toy_problems
 
 log = logging.getLogger(__name__)
 
 
-async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent: AgentConfig, n: int,
-                                 error_rate: float, seed: int):
-    """`n` raw teacher trajectories (failed first attempts and their recovery included)."""
+async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent: AgentConfig,
+                                 problems: list[Problem], error_rate: float, seed: int):
+    """Raw teacher trajectories (failed first attempts and their recovery included)."""
     rng = random.Random(seed)
-    problems = toy_task.make_problems(n, seed=10_000 + seed)
     async def one(p):
         teacher = toy_task.ToyTeacher(chat.tokenizer, p, rng, error_rate)
         return await AgentLoop(teacher, executor, chat, agent, {"temperature": 1.0}).run(p.messages)
@@ -46,7 +47,8 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
                executor: ToolExecutor, agent: AgentConfig, mesh) -> Path:
     """Fit `model_dir` on teacher demonstrations; write the result to `out_dir` (HF format)."""
     cfg = config.warmup_sft
-    demos = asyncio.run(teacher_demonstrations(chat, executor, agent, cfg.examples, cfg.error_rate, config.train.seed))
+    problems = toy_problems(config, cfg.examples, seed=10_000 + config.train.seed)
+    demos = asyncio.run(teacher_demonstrations(chat, executor, agent, problems, cfg.error_rate, config.train.seed))
     batch = to_batch(demos, pad_id=chat.tokenizer.pad_token_id or 0)
     model = qwen.from_pretrained(model_dir, mesh=mesh)
     learner = Learner(model, LearnerConfig(

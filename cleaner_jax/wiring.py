@@ -2,6 +2,7 @@
 the data sources it names. Shared by `train` and `evaluate`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -46,10 +47,14 @@ def eval_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
     return {**train_sampling(c), "top_p": c.rollout.eval_top_p}
 
 
-def training_problems(c: ml_collections.ConfigDict) -> list[Problem] | None:
-    """None = the endless toy stream."""
+def toy_problems(c: ml_collections.ConfigDict, n: int, seed: int) -> list[Problem]:
+    return toy_task.make_problems(n, seed=seed, max_operand=c.data.toy_max_operand, num_ops=c.data.toy_num_ops)
+
+
+def training_problems(c: ml_collections.ConfigDict) -> list[Problem] | Callable[[int], Problem]:
+    """The training set, or for the toy task an endless generator `seed -> Problem`."""
     if c.data.train == "toy":
-        return None
+        return lambda seed: toy_problems(c, 1, seed)[0]
     return load_agentrl(c.data.train, limit=c.data.train_limit)
 
 
@@ -58,7 +63,7 @@ def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:
     out = {}
     for name in names:
         if name == "toy":
-            out["toy"] = toy_task.make_problems(c.data.eval_limit or 16, seed=987_654)
+            out["toy"] = toy_problems(c, c.data.eval_limit or 16, seed=987_654)
         elif name in BENCHMARKS:
             out[name] = load_benchmark(name, tool=c.agent.use_tools, limit=c.data.eval_limit)
         else:

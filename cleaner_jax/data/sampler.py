@@ -6,26 +6,26 @@ always maps to the same problem and a resumed run continues with exactly the nex
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cleaner_jax.data import toy_task
 from cleaner_jax.data.problems import Problem
 
 
 class ProblemSampler:
-    def __init__(self, problems: Sequence[Problem] | None, seed: int, position: int = 0) -> None:
-        """`problems=None`: an endless stream of fresh toy problems."""
-        if problems is not None and not problems:
+    def __init__(self, problems: Sequence[Problem] | Callable[[int], Problem], seed: int, position: int = 0) -> None:
+        """`problems`: a training set, or a generator `seed -> Problem` (an endless stream,
+        e.g. the toy task) called with a seed derived from (seed, position)."""
+        if not callable(problems) and not problems:
             raise ValueError("ProblemSampler: the training set is empty")
         self.problems = problems
         self.seed = seed
         self.position = position
 
     def _at(self, pos: int) -> Problem:
-        if self.problems is None:
-            return toy_task.make_problems(1, seed=self.seed * 1_000_003 + pos)[0]
+        if callable(self.problems):
+            return self.problems(self.seed * 1_000_003 + pos)
         epoch, idx = divmod(pos, len(self.problems))
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
         return self.problems[int(order[idx])]
