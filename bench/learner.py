@@ -9,10 +9,15 @@ Model FLOPs per step are 3x the forward FLOPs (2 per multiply-add of every matmu
 the full [T, T] attention scores and weighted sum, which both implementations compute); the
 learner's rematerialised LM-head chunks are extra work that is not counted. Runs alternate
 between JAX and torch and report medians, because this VM's timings drift (research/env.md §5).
+The torch step runs in a child process (same batch, same checkpoint): sharing a process with
+JAX's thread pools made torch 5-10x slower here, which would flatter JAX.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import os
 import statistics
 import tempfile
@@ -114,31 +119,42 @@ class TorchPPO:
         return loss.item()
 
 
+def torch_worker(path: str, batch_file: str, steps: int) -> None:
+    """Child process: 2 warm-up steps, then `steps` timed steps; prints the times as JSON."""
+    data = np.load(batch_file)
+    tb = {k: torch.tensor(data[k], dtype=torch.long if k in ("input_ids", "attention_mask") else torch.float32)
+          for k in data.files}
+    ref = TorchPPO(path, LossConfig(), OptimizerConfig(learning_rate=1e-5, warmup_steps=0))
+    ref.step(tb)
+    ref.step(tb)
+    print(json.dumps([_timed(lambda: ref.step(tb)) for _ in range(steps)]))
+
+
+def _torch_times(path: str, batch_file: str, steps: int) -> list[float]:
+    out = subprocess.run([sys.executable, __file__, "--torch-worker", path, batch_file, str(steps)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
         hf = tiny_config("qwen3", **bc.overrides)
-        loss_cfg = LossConfig()
-        opt = OptimizerConfig(learning_rate=1e-5, warmup_steps=0)
         learner = Learner(qwen.from_pretrained(path), LearnerConfig(
-            loss=loss_cfg, optimizer=opt, micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch,
-            logprob_chunk_size=min(1024, bc.seq)))
-        batch = make_batch(bc.batch, bc.seq, hf["vocab_size"])
-        batch = learner.add_old_logprobs(batch)
-        tb = {k: torch.tensor(v, dtype=torch.long if k in ("input_ids", "attention_mask") else torch.float32)
-              for k, v in batch.items()}
-        ref = TorchPPO(str(path), loss_cfg, opt)
+            loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
+            micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
+        batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        batch_file = os.path.join(tmp, "batch.npz")
+        np.savez(batch_file, **batch)
 
         t0 = time.perf_counter()
         learner.train_step(batch)  # compile
         compile_s = time.perf_counter() - t0
         learner.train_step(batch)
-        ref.step(tb)
-        ref.step(tb)
         jax_times, torch_times = [], []
         for _ in range(rounds):
             jax_times += [_timed(lambda: learner.train_step(batch)) for _ in range(steps)]
-            torch_times += [_timed(lambda: ref.step(tb)) for _ in range(steps)]
+            torch_times += _torch_times(str(path), batch_file, steps)
     flops = train_flops_per_step(hf, bc.batch, bc.seq)
     jt, tt = statistics.median(jax_times), statistics.median(torch_times)
     tokens = bc.batch * bc.seq
@@ -152,7 +168,11 @@ def main() -> None:
     ap.add_argument("--configs", default="toy,30m", help=f"comma-separated subset of {sorted(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating JAX/torch rounds")
+    ap.add_argument("--torch-worker", nargs=3, metavar=("CKPT", "BATCH_NPZ", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_worker:
+        torch_worker(args.torch_worker[0], args.torch_worker[1], int(args.torch_worker[2]))
+        return
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
