@@ -47,6 +47,7 @@ Not tried / open: causal block skipping or a flash-style blocked attention for t
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -151,7 +152,58 @@ def torch_greedy(model: torch.nn.Module, new_tokens: int) -> Callable[[torch.Ten
     return run
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+class TorchWorker:
+    """transformers in a child process, driven step by step from here.
+
+    In one process next to JAX, torch ran 5-10x slower (thread pools fighting; see also
+    bench/learner.py), which would flatter JAX. The child times its own calls, so the
+    JAX/torch interleaving is kept.
+    """
+
+    def __init__(self, path: Path, dtype: str, threads: int | None, ids: np.ndarray, prompt: np.ndarray, new: int):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_torch_worker, args=(child, str(path), dtype, threads, ids, prompt, new))
+        self.proc.start()
+        self.info = self.conn.recv()  # (n_params, num_threads) once the model is loaded
+
+    def timed(self, what: str) -> tuple[float, float]:
+        self.conn.send(what)
+        return self.conn.recv()
+
+    def generated(self) -> np.ndarray:
+        self.conn.send("tokens")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(timeout=30)
+
+
+def _torch_worker(conn, path: str, dtype: str, threads: int | None, ids: np.ndarray, prompt: np.ndarray, new: int):
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    fns = {"step": lambda: torch_train_step(model)(torch.tensor(ids)),
+           "generate": lambda: torch_greedy(model, new)(torch.tensor(prompt))}
+    conn.send((sum(p.numel() for p in model.parameters()), torch.get_num_threads()))
+    while (cmd := conn.recv()) != "stop":
+        if cmd == "tokens":
+            conn.send(fns["generate"]()[:, prompt.shape[1]:].numpy())
+            continue
+        t0, c0 = time.perf_counter(), time.process_time()
+        fns[cmd]()
+        conn.send((time.perf_counter() - t0, time.process_time() - c0))
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def interleaved(fns: dict[str, Callable[[], tuple[float, float]]], repeats: int, warmup: int = 2
+                ) -> dict[str, tuple[float, float]]:
     """Median (wall, process CPU) seconds per call, alternating the functions so drift hits all alike.
 
     CPU time is the steadier number on a shared machine when running single-threaded (--threads 1).
@@ -162,9 +214,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+            times[name].append(fn())
     return {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
 
 
@@ -184,40 +234,38 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="1: single-threaded XLA and torch (steadier on a shared CPU); default: library defaults")
     args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or shape["repeats"]
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    b, t, new = shape["batch"], shape["seq"], shape["new_tokens"]
+    ids = np.random.default_rng(0).integers(0, shape["vocab_size"], (b, t))
+    prompt = np.random.default_rng(1).integers(0, shape["vocab_size"], (b, shape["prompt"]))
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(shape, Path(tmp))
         jmodel = qwen.from_pretrained(path, dtype=args.dtype, remat=args.remat)
-        tmodel = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    n_params = sum(p.numel() for p in tmodel.parameters())
-    b, t = shape["batch"], shape["seq"]
-    ids = np.random.default_rng(0).integers(0, shape["vocab_size"], (b, t))
-    ids_j, ids_t = jnp.asarray(ids, jnp.int32), torch.tensor(ids)
-    print(f"model: {n_params / 1e6:.1f}M params, dtype={args.dtype}, remat={args.remat}; "
-          f"jax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads)")
-
-    jstep, tstep = jax_train_step(jmodel), torch_train_step(tmodel)
-    t0 = time.perf_counter()
-    jstep(ids_j)
-    print(f"jax fwd+bwd compile+first step: {time.perf_counter() - t0:.2f}s")
-    med = interleaved({"jax": lambda: jstep(ids_j), "torch": lambda: tstep(ids_t)}, repeats)
-    report(f"fwd+bwd B={b} T={t}", b * t, med)
-
-    if args.skip_decode:
-        return
-    new = shape["new_tokens"]
-    prompt = np.random.default_rng(1).integers(0, shape["vocab_size"], (b, shape["prompt"]))
-    pj, pt = jnp.asarray(prompt, jnp.int32), torch.tensor(prompt)
-    jgen, tgen = jax_greedy(jmodel, new), torch_greedy(tmodel, new)
-    med = interleaved({"jax": lambda: jgen(pj), "torch": lambda: tgen(pt)}, max(2, repeats // 2), warmup=1)
-    same = (np.asarray(jgen(pj)) == tgen(pt)[:, shape["prompt"]:].numpy()).mean()
-    report(f"greedy B={b} prompt={shape['prompt']} new={new} (same tokens: {same:.0%})", b * new, med)
+        worker = TorchWorker(path, args.dtype, args.threads, ids, prompt, new)
+    try:
+        n_params, torch_threads = worker.info
+        print(f"model: {n_params / 1e6:.1f}M params, dtype={args.dtype}, remat={args.remat}; "
+              f"jax {jax.__version__} ({jax.device_count()} {jax.default_backend()} devices), torch {torch.__version__} "
+              f"in a child process ({torch_threads} threads)")
+        ids_j = jnp.asarray(ids, jnp.int32)
+        jstep = jax_train_step(jmodel)
+        t0 = time.perf_counter()
+        jstep(ids_j)
+        print(f"jax fwd+bwd compile+first step: {time.perf_counter() - t0:.2f}s")
+        med = interleaved({"jax": lambda: timed(lambda: jstep(ids_j)), "torch": lambda: worker.timed("step")}, repeats)
+        report(f"fwd+bwd B={b} T={t}", b * t, med)
+        if args.skip_decode:
+            return
+        pj = jnp.asarray(prompt, jnp.int32)
+        jgen = jax_greedy(jmodel, new)
+        med = interleaved({"jax": lambda: timed(lambda: jgen(pj)), "torch": lambda: worker.timed("generate")},
+                          max(2, repeats // 2), warmup=1)
+        same = (np.asarray(jgen(pj)) == worker.generated()).mean()
+        report(f"greedy B={b} prompt={shape['prompt']} new={new} (same tokens: {same:.0%})", b * new, med)
+    finally:
+        worker.close()
 
 
 if __name__ == "__main__":
