@@ -245,7 +245,7 @@ class _StepLoop:
         mb = self.learner.cfg.logprob_micro_batch_size
         arr = np.zeros((mb, len(ids)), np.int32)
         arr[:] = ids
-        lp = self.learner.logprobs({"input_ids": arr, "attention_mask": np.ones_like(arr)})
+        lp = self.learner.logprobs({"input_ids": arr, "attention_mask": np.ones_like(arr)}, temperature=1.0)
         return lp[0, start:].tolist()
 
     def evaluate(self, step: int, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:

@@ -228,12 +228,16 @@ class Learner:
         return jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext()
 
     # -- compute
-    def logprobs(self, batch: Mapping[str, Any]) -> np.ndarray:
+    def logprobs(self, batch: Mapping[str, Any], temperature: float | None = None) -> np.ndarray:
         """Learner log-probs [B, T] of `input_ids` (position-aligned; column 0 is 0), no grad.
 
         Needs only ``input_ids`` and ``attention_mask``; B must be a multiple of
-        `logprob_micro_batch_size`.
+        `logprob_micro_batch_size`. `temperature` defaults to the rollout temperature of the
+        config; the weight-sync probe asks for 1.0 because servers score prompts untempered.
         """
+        temperature = self.cfg.temperature if temperature is None else temperature
+        if temperature <= 0:
+            raise ValueError(f"Learner.logprobs: temperature must be > 0, got {temperature}")
         ids = np.asarray(batch["input_ids"], np.int32)
         attn = np.asarray(batch["attention_mask"], np.float32)
         if ids.ndim != 2 or ids.shape != attn.shape:
@@ -245,7 +249,7 @@ class Learner:
         with self._mesh_ctx():
             out = _jit_logprobs(self.params, self.rest, placed["input_ids"], placed["attention_mask"],
                                 graphdef=self.graphdef, micro_batch_size=self.cfg.logprob_micro_batch_size,
-                                temperature=self.cfg.temperature, chunk_size=self.cfg.logprob_chunk_size)
+                                temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
         return np.asarray(out)
 
     def add_old_logprobs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
