@@ -27,22 +27,23 @@ Why JAX fwd+bwd was ~1.4x slower (single-threaded CPU-time ablations of the loss
 * XLA flags (micro MLP): --xla_cpu_use_thunk_runtime=false (now ignored, "no longer supported"),
   --xla_cpu_use_xnnpack=true, --xla_cpu_use_onednn=true: all within noise or slower.
 
-Results after the fixes (whole model):
-* --threads 1: fwd+bwd jax 2.20-2.36 s cpu vs torch 1.93-2.13 s -> jax at 0.88-0.90x torch (was
-  ~0.65-0.70x before: 2.9-3.4 s vs 2.0-2.1 s). Greedy decode (static cache, one jitted scan):
-  jax 1.4-1.5x faster than `generate`.
-* default threads (2 each) on the loaded box: jax 2.3-2.6x faster in wall time, because torch's
-  OpenMP threads degrade badly under contention (torch 5-6 s cpu per step vs 2 s single-threaded);
-  greedy decode 14-17x. These ratios reflect contention, not kernels (env.md, idle box, 2
-  threads: torch 0.52 s, old JAX 0.74-0.80 s for this step). Absolute times here are 2-4x
-  inflated by the other tenants even in CPU time; compare ratios from the same run only.
-* --dtype bfloat16 --threads 1: jax 2.42 s cpu (no gain over f32 on this CPU); torch bf16 took
-  24.9 s cpu single-threaded (10x its f32 time; env.md saw torch gain 1.7x from bf16 with 2
-  threads on an idle box, so treat this torch number as suspect, not as a JAX win).
-* --remat dots --threads 1: jax 2.44 s cpu vs 2.20-2.36 s without remat (+5-10% recompute);
-  remat is for memory, never for speed. First-step compile grew from ~9-23 s to 34 s (loaded box).
+Results after the fixes (whole model; torch in a child process, which matters: in-process
+next to JAX, single-threaded torch measured 1.93-2.13 s cpu instead of 1.49 s):
+* --threads 1: fwd+bwd jax 2.05-2.2 s cpu vs torch 1.49 s -> jax at 0.73-0.76x torch, i.e.
+  torch still ~1.35x faster (JAX before the fixes: 2.9-3.4 s cpu for the same step, so the
+  fixes cut ~30%). Greedy decode (static cache, one jitted scan): jax 1.05-1.1x `generate`.
+* default threads (2 each) on the loaded box: jax 2.9x faster in wall time, because torch's
+  OpenMP threads degrade badly under contention (torch 5.9 s cpu per step vs 1.5 s
+  single-threaded, also in its own process); greedy decode 9-13x. These ratios reflect
+  contention, not kernels (env.md, idle box, 2 threads: torch 0.52 s, old JAX 0.74-0.80 s).
+  Absolute times here are inflated by the other tenants even in CPU time; compare ratios
+  from the same run only.
+* --dtype bfloat16 --threads 1 (torch in-process, earlier run): jax 2.42 s cpu, no gain over
+  f32 on this CPU; torch bf16 24.9 s cpu (suspect; env.md saw torch gain 1.7x from bf16).
+* --remat dots --threads 1: jax 2.44 s cpu vs 2.20-2.36 s without remat in the same kind of
+  run (+5-10% recompute); remat is for memory, never for speed.
 Not tried / open: causal block skipping or a flash-style blocked attention for training on CPU
-(the last ~10% gap); a layer scan (would cut compile time for deep models, not step time).
+(torch's SDPA skips the masked half; most of the remaining gap); a layer scan (would cut compile time for deep models, not step time).
 """
 from __future__ import annotations
 
