@@ -38,8 +38,9 @@ next to JAX, single-threaded torch measured 1.93-2.13 s cpu instead of 1.49 s):
   contention, not kernels (env.md, idle box, 2 threads: torch 0.52 s, old JAX 0.74-0.80 s).
   Absolute times here are inflated by the other tenants even in CPU time; compare ratios
   from the same run only.
-* --dtype bfloat16 --threads 1 (torch in-process, earlier run): jax 2.42 s cpu, no gain over
-  f32 on this CPU; torch bf16 24.9 s cpu (suspect; env.md saw torch gain 1.7x from bf16).
+* --dtype bfloat16 --threads 1: jax 2.02 s cpu, no gain over f32 on this CPU; torch bf16
+  23.4 s cpu in its own process (16x its f32 time; env.md saw torch gain 1.7x from bf16 with 2
+  threads on an idle box, so single-threaded torch bf16 hits a slow path - not a JAX win).
 * --remat dots --threads 1: jax 2.44 s cpu vs 2.20-2.36 s without remat in the same kind of
   run (+5-10% recompute); remat is for memory, never for speed.
 Not tried / open: causal block skipping or a flash-style blocked attention for training on CPU
