@@ -17,6 +17,7 @@ CASES = {
     "qwen3_untied_theta_headdim": ("qwen3", dict(tie_word_embeddings=False, rope_theta=1e6, head_dim=24)),
     "qwen2_tied_theta": ("qwen2", dict(tie_word_embeddings=True, rope_theta=5e5)),
     "qwen3_mqa_eps": ("qwen3", dict(num_key_value_heads=1, rms_norm_eps=1e-5)),
+    "qwen3_attention_bias": ("qwen3", dict(attention_bias=True)),  # biases on q/k/v and o_proj
 }
 
 

@@ -124,6 +124,8 @@ def hf_param_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (nh * hd,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv * hd,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv * hd,)
+            if not qwen2:  # Qwen3's attention_bias also biases o_proj (Qwen2 never does)
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
         if not qwen2:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
