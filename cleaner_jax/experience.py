@@ -25,7 +25,7 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.rewards.result import RewardResult
 from cleaner_jax.rewards.scorer import Scorer
-from cleaner_jax.rl.advantages import AdvantageResult, compute_advantages, overlong_penalty
+from cleaner_jax.rl.advantages import AdvantageResult, compute_advantages, informative_groups, overlong_penalty
 from cleaner_jax.rollout.client import RolloutServerError
 from cleaner_jax.rollout.protocol import Generate
 from cleaner_jax.saar.rescore import Rescorer
@@ -160,3 +160,31 @@ def learner_batch(scored: Sequence[Scored], advantages: np.ndarray, *, pad_id: i
                 pad = np.zeros_like(pad)
             out[k] = np.concatenate([v, pad])
     return out
+
+
+async def collect_informative(collector: Collector, take: Callable[[int], Sequence[Problem]], *, prompts: int,
+                              n: int, sampling: dict[str, Any], seed: int, max_rounds: int) -> tuple[list[Scored], int]:
+    """DAPO dynamic sampling: draw `prompts` problems per round (`take(k)` hands out the next k)
+    and keep only groups whose valid members' raw scores differ, until `prompts` groups are kept
+    or `max_rounds` rounds are spent. Returns (episodes, rounds used).
+
+    Group ids are renumbered so round r owns [r * prompts, (r + 1) * prompts). When no round
+    produced an informative group, the last round is returned as it is (its advantages are
+    all zero, which the step's `adv/zero_adv_group_frac` then reports).
+    """
+    if max_rounds < 1:
+        raise ValueError(f"collect_informative: max_rounds={max_rounds} must be >= 1")
+    target = prompts * n
+    kept: list[Scored] = []
+    got: list[Scored] = []
+    rounds = 0
+    while len(kept) < target and rounds < max_rounds:
+        got = await collector.collect(take(prompts), n, sampling, seed=seed * 1000 + rounds)
+        score = np.array([s.reward.score if s.valid else 0.0 for s in got])
+        keep = informative_groups(score, np.array([s.group for s in got]), np.array([s.valid for s in got]))
+        kept += [dataclasses.replace(s, group=rounds * prompts + s.group) for s, k in zip(got, keep) if k]
+        rounds += 1
+    if not kept:
+        log.warning("dynamic sampling: no informative group in %d round(s); training on the last one", rounds)
+        return got, rounds
+    return kept[:target], rounds

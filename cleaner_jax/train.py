@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import shutil
 import time
@@ -34,10 +33,10 @@ from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.data import toy_task
 from cleaner_jax.eval.runner import evaluate, write_report
-from cleaner_jax.experience import Collector, Scored, group_advantages, learner_batch, shaped_rewards
+from cleaner_jax.experience import (Collector, Scored, collect_informative, group_advantages, learner_batch,
+                                    shaped_rewards)
 from cleaner_jax.models import qwen
 from cleaner_jax.rewards.scorer import Scorer
-from cleaner_jax.rl.advantages import informative_groups
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
 from cleaner_jax.rollout.client import SGLangClient
@@ -166,31 +165,15 @@ class _StepLoop:
 
     # -- phases
     def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[Scored], int]:
-        """One step's scored episodes; with DAPO dynamic sampling, keeps drawing prompts until
-        enough groups have non-identical raw outcomes (or the round budget is spent)."""
+        """One step's scored episodes (DAPO dynamic sampling when configured)."""
         c = self.c
         sampling = train_sampling(c)
         if not c.algo.dynamic_sampling:
             problems = sampler.take(c.algo.prompts_per_step)
             return self.loop.run_until_complete(self.collector.collect(problems, c.algo.group_size, sampling, seed=step)), 1
-        target = c.algo.prompts_per_step * c.algo.group_size
-        kept: list[Scored] = []
-        got: list[Scored] = []
-        rounds = 0
-        while len(kept) < target and rounds < c.algo.dynamic_sampling_max_rounds:
-            problems = sampler.take(c.algo.prompts_per_step)
-            got = self.loop.run_until_complete(
-                self.collector.collect(problems, c.algo.group_size, sampling, seed=step * 1000 + rounds))
-            outcome = np.array([s.reward.score if s.valid else 0.0 for s in got])
-            keep = informative_groups(outcome, np.array([s.group for s in got]), np.array([s.valid for s in got]))
-            # group ids must stay distinct across rounds: round r owns [r * P, (r + 1) * P)
-            kept += [dataclasses.replace(s, group=rounds * c.algo.prompts_per_step + s.group)
-                     for s, k in zip(got, keep) if k]
-            rounds += 1
-        if not kept:  # nothing informative within the budget: train on the last round (zero advantages)
-            log.warning("dynamic sampling: no informative group in %d rounds", rounds)
-            return got, rounds
-        return kept[:target], rounds
+        return self.loop.run_until_complete(collect_informative(
+            self.collector, sampler.take, prompts=c.algo.prompts_per_step, n=c.algo.group_size, sampling=sampling,
+            seed=step, max_rounds=c.algo.dynamic_sampling_max_rounds))
 
     def update(self, scored: list[Scored]) -> dict[str, float]:
         c = self.c

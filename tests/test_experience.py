@@ -9,7 +9,7 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.tools import SandboxExecutor, ToolResult
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data import toy_task
-from cleaner_jax.experience import Collector, group_advantages, learner_batch, shaped_rewards
+from cleaner_jax.experience import Collector, collect_informative, group_advantages, learner_batch, shaped_rewards
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.testing.tiny import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
@@ -103,3 +103,33 @@ def test_overlong_shaping_counts_observation_tokens(tok, sandbox):
     length = len(scored[0].episode.purified.response_ids)  # turns + observation tokens
     shaped = shaped_rewards(scored, max_response_tokens=length + 10, overlong_buffer=20, overlong_factor=1.0)
     np.testing.assert_allclose(shaped, [1.0 - 10 / 20])
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tok, sandbox):
+    """Problem order: round 0 = (p0 all right, p1 mixed), round 1 = (p2 mixed, p3 all right)."""
+    problems = toy_task.make_problems(4, seed=14)
+    n = 2
+    handed = []
+
+    def take(k):
+        out = problems[len(handed): len(handed) + k]
+        handed.extend(out)
+        return out
+
+    # episode index i within a round -> wrong answer; routes are "<seed*1000+round>:<i>"
+    wrong = {"0:3", "1:1"}  # round 0: p1's 2nd sample; round 1: p2's 2nd sample
+
+    def generate_for(route):
+        i = int(route.split(":")[1])
+        round_ = int(route.split(":")[0])
+        p = problems[2 * round_ + i // n]
+        cls = WrongAnswerTeacher if route in wrong else toy_task.ToyTeacher
+        return cls(tok, p, random.Random(i), error_rate=0.0)
+
+    col = Collector(generate_for, SandboxExecutor(sandbox), ChatFormat(tok), AGENT, Scorer(sandbox))
+    scored, rounds = asyncio.run(collect_informative(col, take, prompts=2, n=n, sampling={"temperature": 1.0},
+                                                     seed=0, max_rounds=3))
+    assert rounds == 2  # two informative groups needed, one found per round
+    assert [s.problem.uid for s in scored] == [problems[1].uid] * 2 + [problems[2].uid] * 2
+    assert [s.group for s in scored] == [1, 1, 2, 2]  # round 1's group 0 became group 2
+    assert sorted(s.reward.score for s in scored) == [-1.0, -1.0, 1.0, 1.0]
