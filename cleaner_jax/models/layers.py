@@ -68,24 +68,43 @@ def cached_mask(lengths: jax.Array, attention_mask: jax.Array | None, new_len: i
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "xla"
 ) -> jax.Array:
-    """GQA attention. q [B, T, N, hd]; k, v [B, S, KV, hd]; mask [B, T, S] bool -> [B, T, N, hd].
+    """GQA attention. q [B, T, N, hd]; k, v [B, S, KV, hd]; mask [B, T, S] bool -> [B, T, N, hd]."""
+    if impl == "cudnn":
+        return _cudnn_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    return _grouped_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+
+
+def cached_attention(
+    q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "xla"
+) -> jax.Array:
+    """GQA attention over a KV cache's layout: q [B, T, N, hd]; k_t [B, KV, hd, S] (keys
+    transposed); v [B, KV, S, hd]; mask [B, T, S] bool -> [B, T, N, hd].
+
+    Both matmuls read the cache as it lies, so a decode step moves no cache-sized data besides
+    the reads themselves (contracting keys stored [S, hd] over hd was ~5x slower on XLA CPU).
+    """
+    if impl == "cudnn":
+        k, v = k_t.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
+        return _cudnn_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    return _grouped_attention(q, k_t, v, mask)
+
+
+def _grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, N, hd]; k_t [B, KV, hd, S]; v [B, KV, S, hd]; mask [B, T, S] -> [B, T, N, hd].
 
     KV heads are never repeated: q is viewed as [B, T, KV, G, hd] and contracted per group.
     """
     b, t, n, hd = q.shape
-    kv, s = k.shape[2], k.shape[1]
+    kv, s = k_t.shape[1], k_t.shape[3]
     g = n // kv
     scale = hd**-0.5
-    if impl == "cudnn":
-        return _cudnn_attention(q, k, v, mask, scale)
     # The G query heads of a group are folded into the row axis: one [G*T, hd] x [hd, S] matmul
     # per (batch, kv head) is ~1.6x faster on XLA CPU than G separate ones (bench/model_step.py).
     qg = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, hd)
-    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, S, hd]
-    scores = jnp.einsum("bkqh,bksh->bkqs", qg, kt, preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum("bkqh,bkhs->bkqs", qg, k_t, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores.reshape(b, kv, g, t, s), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, s)
-    out = jnp.einsum("bkqs,bksh->bkqh", probs, vt)  # [B, KV, G*T, hd]
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v)  # [B, KV, G*T, hd]
     return out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
 
 

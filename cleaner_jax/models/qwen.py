@@ -37,22 +37,31 @@ _REMAT_POLICIES = {
 
 @flax.struct.dataclass
 class KVCache:
-    """Static-shape KV cache. Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1."""
+    """Static-shape KV cache. Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1.
 
-    k: jax.Array  # [L, B, S, KV, hd]
-    v: jax.Array  # [L, B, S, KV, hd]
+    One array per layer, keys stored transposed. Both choices keep a cached decode step from
+    copying the cache (bench/rollout.py findings): a layer slice of one stacked [L, ...] array
+    is a full copy on XLA CPU, and keys stored [S, hd] made the q.k^T matmul transpose every
+    layer's keys each step. Now a step updates each buffer in place and both attention matmuls
+    read it as it lies: scores = q [G*T, hd] @ k [hd, S], out = probs [G*T, S] @ v [S, hd].
+    """
+
+    k: tuple[jax.Array, ...]  # L x [B, KV, hd, S] (keys transposed)
+    v: tuple[jax.Array, ...]  # L x [B, KV, S, hd]
     lengths: jax.Array  # [B] int32
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.v[0].shape[2]
 
 
 def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache; `dtype` defaults to the compute dtype."""
-    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    b, kv, hd, n = batch, config.num_key_value_heads, config.head_dim, config.num_hidden_layers
     dtype = dtype or config.compute_dtype
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    k = tuple(jnp.zeros((b, kv, hd, max_len), dtype) for _ in range(n))
+    v = tuple(jnp.zeros((b, kv, max_len, hd), dtype) for _ in range(n))
+    return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
 def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -95,8 +104,7 @@ class Attention(nnx.Module):
         cos: jax.Array,  # [B, T, hd]
         sin: jax.Array,
         mask: jax.Array,  # [B, T, S] bool
-        kv: tuple[jax.Array, jax.Array] | None,  # full cache arrays [L, B, S, KV, hd]
-        layer: int,
+        kv: tuple[jax.Array, jax.Array] | None,  # this layer's cache: k [B, KV, hd, S], v [B, KV, S, hd]
         slots: jax.Array | None,  # [B, T] cache slots of the new tokens
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         cfg = self.cfg
@@ -107,15 +115,20 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-        if kv is not None:
-            k_all, v_all = kv
+        if kv is None:
+            out = layers.attention(q, k, v, mask, cfg.attention_impl)  # [B, T, N, hd]
+        else:
+            k_cache, v_cache = kv
             rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-            # Out-of-range slots (past max_len) are dropped: size the cache for prompt + new tokens.
-            k_all = k_all.at[layer, rows, slots].set(k.astype(k_all.dtype), mode="drop")
-            v_all = v_all.at[layer, rows, slots].set(v.astype(v_all.dtype), mode="drop")
-            kv = (k_all, v_all)
-            k, v = k_all[layer].astype(x.dtype), v_all[layer].astype(x.dtype)  # [B, S, KV, hd]
-        out = layers.attention(q, k, v, mask, cfg.attention_impl)  # [B, T, N, hd]
+            # Index arrays split by slices put their [B, T] axes first, so both updates are laid
+            # out [B, T, KV, hd] like k and v. Out-of-range slots (past max_len) are dropped:
+            # size the cache for prompt + new tokens.
+            k_cache = k_cache.at[rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows, :, slots].set(v.astype(v_cache.dtype), mode="drop")
+            kv = (k_cache, v_cache)
+            out = layers.cached_attention(
+                q, k_cache.astype(x.dtype), v_cache.astype(x.dtype), mask, cfg.attention_impl
+            )  # [B, T, N, hd]
         return self.o_proj(out.reshape(b * t, -1)), kv
 
 
@@ -136,9 +149,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, shape, cos, sin, mask, kv, layer, slots):
+    def __call__(self, x, shape, cos, sin, mask, kv, slots):
         """x: the residual stream flattened to [B*T, H] (2-D dots are faster on XLA CPU)."""
-        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, layer, slots)
+        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, slots)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -197,26 +210,30 @@ class Qwen(nnx.Module):
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
             mask = layers.causal_mask(attention_mask, b, t)
-            kv, slots = None, None
+            slots = None
         else:
             slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
             if positions is None:
                 positions = slots
             mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)
-            kv = (cache.k, cache.v)
         x = self.embed_tokens(input_ids).reshape(b * t, cfg.hidden_size)  # [B*T, H]
         cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            x, kv = self._layer_fn(i, (b, t))(layer, x, cos, sin, mask, kv, slots)
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv = self._layer_fn((b, t))(layer, x, cos, sin, mask, kv, slots)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
         h = self.norm(x).reshape(b, t, cfg.hidden_size)
         if cache is None:
             return h
         added = t if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
-        return h, KVCache(kv[0], kv[1], cache.lengths + added)
+        return h, KVCache(tuple(new_k), tuple(new_v), cache.lengths + added)
 
-    def _layer_fn(self, i: int, shape: tuple[int, int]):
+    def _layer_fn(self, shape: tuple[int, int]):
         def run(layer: DecoderLayer, x, cos, sin, mask, kv, slots):
-            return layer(x, shape, cos, sin, mask, kv, i, slots)
+            return layer(x, shape, cos, sin, mask, kv, slots)
 
         if self.config.remat == "none":
             return run

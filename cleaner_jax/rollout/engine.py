@@ -126,6 +126,7 @@ class Engine:
                 graphdef, state, cache, tokens, mask, params, seeds, want_prompt_lp
             ),
             static_argnums=(6,),
+            donate_argnums=(1,),  # the fresh batch cache: prefill writes it in place
         )
         self._decode = jax.jit(
             lambda state, ds, params, chunk: _decode(graphdef, state, ds, params, chunk),
@@ -371,23 +372,32 @@ _init_cache = jax.jit(qwen.init_cache, static_argnums=(0, 1, 2))
 _or = jax.jit(jnp.logical_or)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1))
 def _write_row(cache_k, cache_v, entry_k, entry_v, row):
-    """Copy a prefix-cache entry [L, P, KV, hd] into batch row `row` of [L, B, S, KV, hd]."""
-    n = min(entry_k.shape[1], cache_k.shape[2])
-    start = (0, row, 0, 0, 0)
-    k = jax.lax.dynamic_update_slice(cache_k, entry_k[:, None, :n].astype(cache_k.dtype), start)
-    v = jax.lax.dynamic_update_slice(cache_v, entry_v[:, None, :n].astype(cache_v.dtype), start)
+    """Copy a prefix-cache entry [L, P, KV, hd] into batch row `row` of a `qwen.KVCache`'s
+    per-layer k [B, KV, hd, S] and v [B, KV, S, hd] (donated: updated in place)."""
+    n = min(entry_k.shape[1], cache_v[0].shape[2])
+    k = tuple(
+        jax.lax.dynamic_update_slice(c, entry_k[i, :n].transpose(1, 2, 0)[None].astype(c.dtype), (row, 0, 0, 0))
+        for i, c in enumerate(cache_k)
+    )
+    v = tuple(
+        jax.lax.dynamic_update_slice(c, entry_v[i, :n].transpose(1, 0, 2)[None].astype(c.dtype), (row, 0, 0, 0))
+        for i, c in enumerate(cache_v)
+    )
     return k, v
 
 
 def _read_row(cache_k, cache_v, row, size: int):
-    size = min(size, cache_k.shape[2])
+    size = min(size, cache_v[0].shape[2])
     return _read_row_jit(cache_k, cache_v, row, size)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _read_row_jit(cache_k, cache_v, row, size: int):
-    k = jax.lax.dynamic_index_in_dim(cache_k, row, axis=1, keepdims=False)[:, :size]
-    v = jax.lax.dynamic_index_in_dim(cache_v, row, axis=1, keepdims=False)[:, :size]
+    """Row `row`'s first `size` slots as prefix-cache entries k, v [L, size, KV, hd]."""
+    k = jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :, :size].transpose(2, 0, 1)
+                   for c in cache_k])
+    v = jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :size].transpose(1, 0, 2)
+                   for c in cache_v])
     return k, v
