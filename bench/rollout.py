@@ -28,6 +28,24 @@ to ~3 tok/s under that load):
 - HTTP overhead: 8.8 ms per 1-token request (36.0 vs 27.1 ms in process); target < 5 ms not
   met under this load (three threads of one process, client, server loop and engine worker,
   contend for the GIL and two busy cores).
+
+Findings after the KV-cache layout change (2026-11-30, same shape, torch 1 thread, load ~2-3;
+"before" = the previous commit, run back to back in the same window):
+- cause of the slow cached step (read from the compiled HLO): the in-place scatter was fine, but
+  every layer (a) sliced its layer out of the stacked [L, B, S, KV, hd] cache, which XLA CPU
+  materialises as a copy, and (b) transposed it to [B, KV, S, hd] for the q.k^T matmul; and
+  the scores matmul contracted keys over their minor axis, ~5x slower on XLA CPU than a plain
+  [G*T, hd] x [hd, S] matmul (B=64, S=1024: 50 vs 9 ms per layer). Now `qwen.KVCache` holds
+  one buffer per layer, keys transposed (k: L x [B, KV, hd, S], v: L x [B, KV, S, hd]); a step
+  updates each in place and both attention matmuls read it as it lies.
+- one cached decode step of `Qwen.__call__` (fori_loop, cache donated; ms/step, before -> after):
+  B=8 S=256 10.6 -> 8.8, B=8 S=1024 37.6 -> 15.6, B=64 S=256 82 -> 30, B=64 S=1024 340 -> 86.
+  At B=8 the step is now bound by the dense part of the model: the same step without a cache
+  (T=1) costs about as much (~9-12 ms; ~35 small fusions per layer at ~80 us each).
+- decode engine / HF generate, before -> after: batch 1 3.19x -> 3.67x (284 -> 336 tok/s),
+  batch 8 1.05x -> 1.53x (599 -> 715 tok/s; HF 467-551), batch 64 0.58x -> 0.98x (726 -> 1267
+  tok/s; HF ~1355). Goal >= 3x at batch 8 still NOT met: what is left is per-op cost of the
+  small dense ops, not the cache. 4-turn prefix reuse 0.90x -> 0.80x; HTTP overhead 2.2 ms.
 """
 from __future__ import annotations
 
