@@ -168,6 +168,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _check(0 <= c.saar.rollback_probability <= 1, "saar.rollback_probability", "must be in [0, 1]")
     _check(c.saar.similarity in ("call", "code"), "saar.similarity", "must be call or code")
     _check(c.saar.logprob_mode in ("recompute", "rollout"), "saar.logprob_mode", "must be recompute or rollout")
+    _check(not (c.saar.enable and c.saar.logprob_mode == "rollout" and c.rollout.temperature != 1.0),
+           "saar.logprob_mode", "rollout mode re-scores spliced spans on the rollout server, which (like SGLang) "
+           "scores prompts untempered: it needs rollout.temperature=1.0 (or use logprob_mode=recompute)")
     _check(not (c.saar.enable and not c.agent.use_tools), "saar.enable",
            "SAAR needs tools: agent.use_tools=False (a notool baseline) requires saar.enable=False")
     _check(c.agent.observation_mode in ("faithful", "full"), "agent.observation_mode", "must be faithful or full")

@@ -50,6 +50,15 @@ def test_bad_values_fail_naming_the_key(key, value, needle):
         validate(c)
 
 
+def test_rollout_logprob_mode_needs_untempered_sampling():
+    c = toy()
+    c.saar.logprob_mode = "rollout"
+    validate(c)
+    c.rollout.temperature = 0.7
+    with pytest.raises(ConfigError, match=r"config\.saar\.logprob_mode"):
+        validate(c)
+
+
 def test_paper_config_requires_a_model_path():
     c = load_config("qwen3_4b_cleaner")
     with pytest.raises(ConfigError, match=r"config\.model\.path"):
