@@ -12,6 +12,8 @@ import os
 
 import ml_collections
 
+from cleaner_jax.models.config import REMAT_POLICIES
+
 # Keys whose value may legitimately be None in a finished config (placeholders are typed so
 # that overrides are type-checked by ml_collections).
 _OPTIONAL = ml_collections.config_dict.placeholder
@@ -29,7 +31,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # float32 | bfloat16 | float16
     c.model.compute_dtype = "float32"
     c.model.attention_impl = "xla"  # xla | cudnn (GPU only)
-    c.model.remat = "none"  # none | full | dots_saveable
+    c.model.remat = "none"  # none | full | dots | dots_no_batch (per decoder layer)
 
     c.data = ml_collections.ConfigDict()
     c.data.train = "toy"  # "toy" (built-in arithmetic task) or a local .parquet/.jsonl path
@@ -152,7 +154,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         _check(c.model[key] in ("float32", "bfloat16", "float16"), f"model.{key}",
                f"{c.model[key]!r} is not one of float32, bfloat16, float16")
     _check(c.model.attention_impl in ("xla", "cudnn"), "model.attention_impl", "must be xla or cudnn")
-    _check(c.model.remat in ("none", "full", "dots_saveable"), "model.remat", "must be none, full or dots_saveable")
+    _check(c.model.remat in REMAT_POLICIES, "model.remat", f"{c.model.remat!r} is not one of {REMAT_POLICIES}")
     if c.data.train != "toy":
         _check(os.path.exists(c.data.train), "data.train",
                f"training data {c.data.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
