@@ -25,6 +25,7 @@ S and the Sandbox exchange length-prefixed JSON over S's stdin/stdout.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import gc
 import importlib
@@ -32,7 +33,6 @@ import json
 import os
 import resource
 import selectors
-import shutil
 import signal
 import stat
 import struct
@@ -126,10 +126,18 @@ def _python_paths() -> list[str]:
     return paths + [sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)]
 
 
-def _setup_mounts(tmp_size_mb: int, uid: int | None, hidden: dict[str, set[str]]) -> None:
+def _under_tmp(paths: list[str]) -> list[str]:
+    """The outermost of `paths` that live below /tmp (a venv or checkout there must stay
+    visible once /tmp is replaced by the private tmpfs, or the interpreter loses its packages)."""
+    inside = sorted({os.path.realpath(p) for p in paths if os.path.realpath(p).startswith("/tmp/")})
+    return [p for i, p in enumerate(inside) if not any(p.startswith(q + "/") for q in inside[:i])]
+
+
+def _setup_mounts(tmp_size_mb: int, uid: int | None, hidden: dict[str, set[str]], keep_in_tmp: list[str]) -> None:
     """Private mount namespace for S and its children: a size-capped tmpfs (owned by the
     code's uid) on /tmp, also seen at /var/tmp and /dev/shm, so the code can neither fill the
-    host disk nor see other /tmp files; `hidden` dirs replaced as described above."""
+    host disk nor see other /tmp files; `hidden` dirs replaced as described above;
+    `keep_in_tmp` (the interpreter's own paths below /tmp) bind-mounted back at their places."""
     _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
     for parent, children in sorted(hidden.items()):
@@ -144,7 +152,13 @@ def _setup_mounts(tmp_size_mb: int, uid: int | None, hidden: dict[str, set[str]]
             _linux.mount(f"/proc/self/fd/{fd}", target, None, _linux.MS_BIND | _linux.MS_REC)
             os.close(fd)
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    keep = {path: os.open(path, os.O_PATH) for path in keep_in_tmp}
     _linux.mount("tmpfs", "/tmp", "tmpfs", 0, f"size={tmp_size_mb}m,mode=700{owner}")
+    for path, fd in keep.items():  # read-only: neither the code nor the work-dir cleanup may touch them
+        os.makedirs(path, exist_ok=True)
+        _linux.mount(f"/proc/self/fd/{fd}", path, None, _linux.MS_BIND | _linux.MS_REC)
+        _linux.mount(None, path, None, _linux.MS_BIND | _linux.MS_REMOUNT | _linux.MS_RDONLY)
+        os.close(fd)
     for shared_tmp in ("/var/tmp", "/dev/shm"):
         if os.path.isdir(shared_tmp):
             _linux.mount("/tmp", shared_tmp, None, _linux.MS_BIND)
@@ -417,11 +431,18 @@ def _discard(child: _Spare) -> None:
 
 
 def _empty_dir(path: str) -> None:
+    """Delete everything below `path` without crossing into mount points (the read-only binds
+    of the interpreter's own paths below /tmp); directories that hold one are kept."""
     for entry in os.scandir(path):
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
+        if not entry.is_dir(follow_symlinks=False):
             os.unlink(entry.path)
+        elif not os.path.ismount(entry.path):
+            _empty_dir(entry.path)
+            try:
+                os.rmdir(entry.path)
+            except OSError as e:
+                if e.errno != errno.ENOTEMPTY:  # ENOTEMPTY: a kept mount point lies below
+                    raise
 
 
 def _signal_name(num: int) -> str:
@@ -500,8 +521,8 @@ def _start(cfg: WorkerConfig) -> _Server:
         network = False
         notes.append(f"no network namespace ({e}): sandboxed code CAN reach the network")
     try:
-        _setup_mounts(cfg.tmp_size_mb, cfg.uid, _untraversable_ancestors(_python_paths())
-                      if cfg.uid is not None else {})
+        hidden = _untraversable_ancestors(_python_paths()) if cfg.uid is not None else {}
+        _setup_mounts(cfg.tmp_size_mb, cfg.uid, hidden, _under_tmp(_python_paths()))
         mount_ns, workdir = True, "/tmp"
     except OSError as e:
         mount_ns = False
