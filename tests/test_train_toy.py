@@ -116,3 +116,17 @@ def test_notebooks_run_on_a_real_run(uninterrupted, tmp_path):
     ns = run_notebook("ablation.ipynb", {'Path("runs/gamma")': f"Path({str(sweep)!r})"})
     assert sorted(ns["runs"]) == ["saar.gamma=0.3", "saar.gamma=0.7"]
     assert (sweep / "plots" / "reward_mean.png").exists()
+
+
+def test_evaluate_cli_writes_a_report_for_the_newest_export(uninterrupted, tmp_path):
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cleaner_jax.evaluate", "--config", str(ROOT / "configs/toy.py"),
+         "--workdir", str(uninterrupted), "--out", str(out), "--config.data.eval_limit=3",
+         "--config.rollout.eval_n=2", "--config.sandbox.workers=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in report] == ["toy"] and report[0]["problems"] == 3
+    assert set(report[0]["pass_at_k"]) == {"1", "2"}  # JSON keys of the pass@k dict
+    assert "sync/step_000003" in (out / "results.md").read_text()  # evaluated the newest export
