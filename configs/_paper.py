@@ -7,8 +7,8 @@ def paper_config(*, model: str, cleaner: bool, tools: bool = True):
     """model: "qwen3_4b" | "qwen25_7b"; cleaner: SAAR on (CLEANER) or off (DAPO baseline)."""
     c = base_config()
     c.model.path = None  # set --config.model.path=/local/Qwen3-4B-RA-SFT (never downloaded)
-    c.model.param_dtype = "float16"  # authors: fp16 actor + fp16 SGLang
-    c.model.compute_dtype = "float16"
+    c.model.param_dtype = "float32"  # master weights and Adam moments in f32 (as FSDP mixed precision)
+    c.model.compute_dtype = "float16"  # authors: fp16 actor compute + fp16 SGLang
     c.model.remat = "full"
     c.data.train = "Open-AgentRL-30K.parquet"  # override with the local path of the training file
     c.data.eval = "aime24,aime25"
