@@ -199,6 +199,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     _check(c.algo.tis in ("none", "token", "sequence"), "algo.tis", "must be none, token or sequence")
     _check(not (c.algo.tis != "none" and c.saar.enable and c.saar.logprob_mode == "recompute"), "algo.tis",
            "truncated IS needs rollout log-probs of the purified tokens: use saar.logprob_mode=rollout or saar.enable=False")
+    _check(c.warmup_sft.steps == 0 or c.warmup_sft.examples >= c.warmup_sft.batch_size, "warmup_sft.examples",
+           f"{c.warmup_sft.examples} demonstrations cannot fill a batch of warmup_sft.batch_size={c.warmup_sft.batch_size}")
+    _check(c.warmup_sft.steps == 0 or c.data.train == "toy", "warmup_sft.steps",
+           "the scripted-teacher warm start exists for the toy task only (data.train='toy')")
     _check(c.optim.lr > 0, "optim.lr", "must be > 0")
     _check(c.mesh.tp >= 1, "mesh.tp", "must be >= 1")
     _check(c.train.steps >= 0, "train.steps", "must be >= 0")

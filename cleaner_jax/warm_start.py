@@ -56,10 +56,9 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
         optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
         micro_batch_size=cfg.batch_size, logprob_chunk_size=config.algo.logprob_chunk), mesh)
     rng = np.random.default_rng(config.train.seed)
-    n = len(demos) - len(demos) % cfg.batch_size
     bar = tqdm(range(cfg.steps), desc="warm start (NLL on teacher demos)", unit="step")
     for _ in bar:
-        rows = rng.choice(len(demos), size=cfg.batch_size, replace=False) if n else np.arange(len(demos))
+        rows = rng.choice(len(demos), size=cfg.batch_size, replace=False)
         width = batch.input_ids.shape[1]  # one shape for every step: a single compile
         metrics = learner.train_step({
             "input_ids": batch.input_ids[rows, :width],
