@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def main(argv: list[str]) -> None:
         scorer = stack.enter_context(Scorer(sandbox, c.reward.math_mode))
         executor = SandboxExecutor(sandbox, observation_mode=c.agent.observation_mode,
                                    max_chars=c.agent.observation_max_chars)
-        client = stack.enter_context(rollout_backend(c, model_dir, tokenizer.vocab_size + len(tokenizer.get_added_vocab())))
+        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # the model's, not the tokenizer's
+        client = stack.enter_context(rollout_backend(c, model_dir, vocab_size))
         stack.callback(lambda: loop.run_until_complete(client.close()))
         collector = Collector(client.session, executor, chat, agent_config(c), scorer)
         results = loop.run_until_complete(evaluate(collector, benchmarks, c.rollout.eval_n, eval_sampling(c), seed=c.train.seed))

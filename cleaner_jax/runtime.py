@@ -9,8 +9,9 @@ from pathlib import Path
 
 import jax
 import ml_collections
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
+from cleaner_jax.models import sharding
 from cleaner_jax.rollout.client import SGLangClient
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,7 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else len(devices) // tp
     if fsdp * tp > len(devices) or fsdp * tp == 0:
         raise ValueError(f"config.mesh: fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices, {len(devices)} available")
-    return jax.make_mesh((fsdp, tp), ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto),
-                         devices=devices[: fsdp * tp])
+    return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
 
 
 @contextlib.contextmanager
