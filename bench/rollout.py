@@ -2,10 +2,11 @@
 
 Run: `.venv/bin/python bench/rollout.py [--quick]`.
 
-1. Decode: greedy, 64-token prompts, 128 new tokens (EOS ignored), batch 1 / 8 / 64; tokens/s of
-   `Engine.generate_batch` vs `transformers` `generate` on the same weights, interleaved per
-   repeat; the ratio is taken per repeat, then the median (the CPU is shared; research/
-   perf_anchors.md §0). Goal: >= 3x generate at batch 8.
+1. Decode: 64-token prompts, 128 new tokens (EOS ignored), batch 1 / 8 / 64, greedy and then
+   sampled at T=1; tokens/s of `Engine.generate_batch` vs `transformers` `generate` on the same
+   weights, interleaved per repeat; the ratio is taken per repeat, then the median (the CPU is
+   shared; research/perf_anchors.md §0). Goal: >= 3x generate at batch 8.
+   Then the sampler alone: `sampling.draw_tokens` (inverse CDF) vs `jax.random.categorical`.
 2. Multi-turn prefix reuse: a 4-turn trajectory whose prompts grow by `turn_tokens` each turn
    (previous prompt + the generated token + new observation tokens); the summed cost of its four
    prefills (max_new_tokens=1) with the prefix cache, vs one cold prefill of the final sequence.
@@ -46,6 +47,25 @@ Findings after the KV-cache layout change (2026-11-30, same shape, torch 1 threa
   batch 8 1.05x -> 1.53x (599 -> 715 tok/s; HF 467-551), batch 64 0.58x -> 0.98x (726 -> 1267
   tok/s; HF ~1355). Goal >= 3x at batch 8 still NOT met: what is left is per-op cost of the
   small dense ops, not the cache. 4-turn prefix reuse 0.90x -> 0.80x; HTTP overhead 2.2 ms.
+
+Findings after the sampler and prefill changes (2026-11-30, same shape, torch 1 thread, load ~1):
+- profile of one B=8 cached step (jax.profiler, XLA:CPU thunk trace): ~80% is the dots, each a
+  YNNPACK GEMM that packs its weight matrix on every call. With 8 rows and weights not in cache a
+  [256, 768] dot costs 130-175 us against 12 us for a 1-row matrix-vector product over the same
+  cold weights and 43 us for the 8-row GEMM on hot weights, so the step is bound by per-call
+  weight packing, not FLOPs (67 MFLOP/step) or bandwidth. Tried without a measurable engine-level
+  gain (interleaved A/B in one process, 8 repeats: 0.98x): one matrix-vector product per row,
+  fused q/k/v and gate/up weights, XLA flags (xnnpack off, onednn, xnn/ynn fusion types,
+  multi-thread Eigen off, experimental LLVM IR GEMM), transparent huge pages for the heap.
+- the Gumbel draw of `jax.random.categorical` (threefry bits for every vocabulary entry) was
+  ~0.7 ms of a ~6 ms B=8 step, and dominates at Qwen's vocabulary (B=8, V=151936: 31.6 ms per
+  step). Greedy batches now skip it (`lax.cond`) and sampled ones use a blocked inverse-CDF draw
+  with one uniform per row: 13x (V=4096) to 200x (V=151936) cheaper.
+- prefill computes logits only at each row's last token unless prompt log-probs are wanted.
+- decode engine / HF generate: greedy batch 1 3.77x (311 vs 92 tok/s), batch 8 2.19x (1072 vs
+  489), batch 64 1.70x (2206 vs 1215; 0.98x before); sampled T=1: 4.48x, 2.57x, 1.77x. Goal >= 3x
+  at batch 8 still NOT met (2.2x greedy, 2.6x sampled). 4-turn prefix reuse 0.83x (goal <= 1.3x:
+  met); HTTP overhead 2.3 ms (target < 5 ms: met).
 """
 from __future__ import annotations
 
@@ -81,10 +101,11 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, repeats: int) -> None:
+def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, repeats: int, temperature: float) -> None:
     rng = np.random.default_rng(0)
-    sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    print(f"\n## decode: prompt 64, {new} new tokens, greedy (tokens/s, median of {repeats})")
+    sp = SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True)
+    mode = "greedy" if temperature == 0 else f"sampled at T={temperature}"
+    print(f"\n## decode: prompt 64, {new} new tokens, {mode} (tokens/s, median of {repeats})")
     print("| batch | engine tok/s | HF generate tok/s | engine / HF |")
     print("|---|---|---|---|")
     for b in batches:
@@ -100,7 +121,9 @@ def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, r
             ids = torch.tensor(prompts())
             with torch.no_grad():
                 return timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                                 min_new_tokens=new, do_sample=False, pad_token_id=0))
+                                                 min_new_tokens=new, pad_token_id=0, do_sample=temperature > 0,
+                                                 **({"temperature": temperature, "top_p": 1.0, "top_k": 0}
+                                                    if temperature > 0 else {})))
 
         run_engine(), run_hf()  # warm-up (compile)
         eng_t, hf_t, ratio = [], [], []
@@ -110,6 +133,40 @@ def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, r
         tok = b * new
         print(f"| {b} | {tok / statistics.median(eng_t):.0f} | {tok / statistics.median(hf_t):.0f} | "
               f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |")
+
+
+def bench_sampler(batches: list[int], vocabs: list[int], repeats: int) -> None:
+    """One token per row: our inverse-CDF `draw_tokens` vs Gumbel-max `jax.random.categorical`."""
+    import jax
+    import jax.numpy as jnp
+
+    from cleaner_jax.rollout.sampling import draw_tokens
+
+    steps = 20
+    print(f"\n## sampler: one draw per row, ms per step (median of {repeats}, {steps} steps per call)")
+    print("| batch | vocab | draw_tokens | jax.random.categorical | categorical / draw_tokens |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        for v in vocabs:
+            logp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (b, v)))
+            keys = jax.random.split(jax.random.key(1), b)
+
+            def program(draw):
+                @jax.jit
+                def run(keys, logp):
+                    def body(i, acc):
+                        return acc + draw(jax.vmap(jax.random.fold_in, (0, None))(keys, i), logp)
+                    return jax.lax.fori_loop(0, steps, body, jnp.zeros(b, jnp.int32))
+                return lambda: jax.block_until_ready(run(keys, logp))
+
+            ours, ref = program(draw_tokens), program(jax.vmap(jax.random.categorical))
+            ours(), ref()
+            t_ours, t_ref, ratio = [], [], []
+            for _ in range(repeats):
+                a, r = timed(ours), timed(ref)
+                t_ours.append(a), t_ref.append(r), ratio.append(r / a)
+            print(f"| {b} | {v} | {1e3 * statistics.median(t_ours) / steps:.2f} | "
+                  f"{1e3 * statistics.median(t_ref) / steps:.2f} | {statistics.median(ratio):.1f} |")
 
 
 def bench_prefix(engine: Engine, vocab: int, first: int, turn_tokens: int, repeats: int) -> None:
@@ -200,7 +257,9 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
         engine = Engine(ckpt, max_batch=max(batches), decode_chunk=64)
         print(f"model: {shape or 'tiny test model'}; torch threads {args.torch_threads}")
-        bench_decode(engine, hf, vocab, batches, new, repeats)
+        bench_decode(engine, hf, vocab, batches, new, repeats, temperature=0.0)
+        bench_decode(engine, hf, vocab, batches, new, repeats, temperature=1.0)
+        bench_sampler(batches, [vocab, 151936], repeats)
         bench_prefix(engine, vocab, first, turn, repeats)
         bench_http(engine, vocab, repeats)
 
