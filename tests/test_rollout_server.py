@@ -136,6 +136,23 @@ def test_update_weights_from_disk_over_http(server):
         engine().update_weights_from_disk(checkpoint(0), "default")
 
 
+def test_update_weights_from_disk_flush_cache_false_keeps_prefixes(server):
+    body = {"input_ids": A, "sampling_params": GREEDY}
+    call(server.url, "POST", "/generate", body)
+    bad = {"model_path": str(checkpoint(1)), "flush_cache": "no"}
+    status, out = call(server.url, "POST", "/update_weights_from_disk", bad)
+    assert status == 400 and "flush_cache" in out["message"]
+    try:
+        keep = {"model_path": str(checkpoint(1)), "weight_version": "step-1", "flush_cache": False}
+        status, out = call(server.url, "POST", "/update_weights_from_disk", keep)
+        assert status == 200 and out["success"] is True and "kept" in out["message"]
+        out = call(server.url, "POST", "/generate", body)[1]
+        assert out["meta_info"]["cached_tokens"] == len(A) - 1 and out["meta_info"]["weight_version"] == "step-1"
+    finally:
+        engine().update_weights_from_disk(checkpoint(0), "default")
+    assert call(server.url, "POST", "/generate", body)[1]["meta_info"]["cached_tokens"] == 0
+
+
 @pytest.mark.timeout(120)
 def test_abort_request_returns_partial_result(server):
     result = {}

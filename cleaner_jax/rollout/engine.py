@@ -136,8 +136,13 @@ class Engine:
 
     # ----------------------------------------------------------------------------- weights
 
-    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None) -> None:
-        """Load an HF directory of the same architecture in place, then flush the prefix cache."""
+    def update_weights_from_disk(
+        self, model_path: str | Path, weight_version: str | None, flush_cache: bool = True
+    ) -> None:
+        """Load an HF directory of the same architecture in place, then flush the prefix cache.
+
+        `flush_cache=False` keeps cached prefixes, whose KV the old weights computed (SGLang's
+        field of the same name): cheaper when the update is tiny, off-policy otherwise."""
         model = qwen.from_pretrained(model_path, dtype=self.dtype)
         if model.config != self.config:
             raise ValueError(
@@ -145,15 +150,19 @@ class Engine:
                 f"{self.config}; only same-architecture updates are supported"
             )
         graphdef, state = nnx.split(model)
-        self.load_state(state, weight_version, model_path=str(model_path))
+        self.load_state(state, weight_version, model_path=str(model_path), flush_cache=flush_cache)
 
-    def load_state(self, state: Any, weight_version: str | None, model_path: str | None = None) -> None:
-        """In-memory weight update (an `nnx.State` of the same model); flushes the prefix cache."""
+    def load_state(
+        self, state: Any, weight_version: str | None, model_path: str | None = None, flush_cache: bool = True
+    ) -> None:
+        """In-memory weight update (an `nnx.State` of the same model); flushes the prefix cache
+        unless `flush_cache=False`."""
         with self._lock:
             if jax.tree.structure(state) != jax.tree.structure(self._state):
                 raise ValueError("load_state: the new state's tree does not match the served model's")
             self._state = state
-            self.prefix_cache.clear()
+            if flush_cache:
+                self.prefix_cache.clear()
             if weight_version is not None:
                 self.weight_version = weight_version
             if model_path is not None:

@@ -283,17 +283,22 @@ def build_app(state: ServerState) -> web.Application:
         path, version = body.get("model_path"), body.get("weight_version")
         if not path:
             return web.json_response({"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400)
+        flush = body.get("flush_cache", True)
+        if not isinstance(flush, bool):
+            msg = f"flush_cache must be true or false, got {flush!r}"
+            return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
         if body.get("abort_all_requests"):
             state.scheduler.abort_all()
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version)
+            await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version, flush)
         except (OSError, ValueError, KeyError) as exc:
             msg = f"Failed to update weights from {path}: {type(exc).__name__}: {exc}"
             return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
         return web.json_response({
             "success": True, "num_paused_requests": 0,
-            "message": "Succeeded to update model weights (prefix cache flushed).",
+            "message": "Succeeded to update model weights"
+                       + (" (prefix cache flushed)." if flush else " (prefix cache kept)."),
         })
 
     @routes.post("/update_weight_version")
