@@ -121,9 +121,8 @@ def sample_tokens(
         sampled = draw_tokens(keys, masked)
         return jnp.where(temperature > 0, sampled, greedy)
 
-    # An all-greedy batch (evaluation, the probe) skips the [B, V] Gumbel draw, a few hundred
-    # microseconds of threefry per step on CPU. A row's draw never depends on its batch-mates,
-    # so taking this branch changes no token.
+    # An all-greedy batch (evaluation, the probe) skips the draw's [B, V] exp and cumsums. A
+    # row's draw never depends on its batch-mates, so taking this branch changes no token.
     tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
