@@ -80,3 +80,18 @@ def test_hidden_states_and_lm_head_kernel_give_logits(case):
     logits = nnx.jit(lambda m, x: qwen.logits_from_hidden(m.hidden_states(x), m.lm_head_kernel()))(model, ids)
     ref = hf_logits(hf_model, np.asarray(ids))
     np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 9])
+def test_rowwise_matmul_matches_numpy(rows):
+    """`layers.matmul` (row by row up to ROWWISE_MAX_ROWS on CPU, one GEMM above) is x @ w."""
+    import jax
+
+    from cleaner_jax.models import layers
+
+    rng = np.random.default_rng(rows)
+    x, w = rng.normal(size=(rows, 48)).astype(np.float32), rng.normal(size=(48, 40)).astype(np.float32)
+    got = np.asarray(jax.jit(layers.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-5)
+    dots = [e for e in jax.make_jaxpr(layers.matmul)(x, w).eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == (rows if 1 < rows <= layers.ROWWISE_MAX_ROWS else 1)

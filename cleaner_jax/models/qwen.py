@@ -67,7 +67,7 @@ def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) 
 def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [..., H] @ kernel [H, V] in float32: how `Qwen.__call__` turns hidden states into logits."""
     flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # 2-D dots are faster on XLA CPU (bench/model_step.py)
-    return jnp.dot(flat, kernel.astype(jnp.float32)).reshape(*h.shape[:-1], kernel.shape[-1])
+    return layers.matmul(flat, kernel.astype(jnp.float32)).reshape(*h.shape[:-1], kernel.shape[-1])
 
 
 class RMSNorm(nnx.Module):
@@ -81,7 +81,8 @@ class RMSNorm(nnx.Module):
 
 def _linear(cfg: QwenConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
-        d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, kernel_init=_INIT, rngs=rngs
+        d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, kernel_init=_INIT,
+        dot_general=layers.linear_dot_general, rngs=rngs,
     )
 
 
