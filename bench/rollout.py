@@ -48,24 +48,30 @@ Findings after the KV-cache layout change (2026-11-30, same shape, torch 1 threa
   tok/s; HF ~1355). Goal >= 3x at batch 8 still NOT met: what is left is per-op cost of the
   small dense ops, not the cache. 4-turn prefix reuse 0.90x -> 0.80x; HTTP overhead 2.2 ms.
 
-Findings after the sampler and prefill changes (2026-11-30, same shape, torch 1 thread, load ~1):
+Findings after the sampler, prefill and row-wise matmul changes (2026-11-30, same shape, torch
+1 thread, load ~1):
 - profile of one B=8 cached step (jax.profiler, XLA:CPU thunk trace): ~80% is the dots, each a
   YNNPACK GEMM that packs its weight matrix on every call. With 8 rows and weights not in cache a
   [256, 768] dot costs 130-175 us against 12 us for a 1-row matrix-vector product over the same
   cold weights and 43 us for the 8-row GEMM on hot weights, so the step is bound by per-call
-  weight packing, not FLOPs (67 MFLOP/step) or bandwidth. Tried without a measurable engine-level
-  gain (interleaved A/B in one process, 8 repeats: 0.98x): one matrix-vector product per row,
-  fused q/k/v and gate/up weights, XLA flags (xnnpack off, onednn, xnn/ynn fusion types,
-  multi-thread Eigen off, experimental LLVM IR GEMM), transparent huge pages for the heap.
+  weight packing, not FLOPs (67 MFLOP/step) or bandwidth.
+- kept: `layers.matmul` issues a 2-8-row CPU matmul as one matrix-vector product per row (in-
+  process interleaved A/B, 8 repeats: B=8 decode 1.07-1.12x with the tied lm head, 1.21x untied).
+  Tried without a gain: fused q/k/v and gate/up weights; the weight-transposed product W^T x^T;
+  per-group matrix-vector attention (1.01x); elementwise-reduce attention (10x slower); XLA flags
+  (xnnpack off, onednn, xnn/ynn fusion types, multi-thread Eigen off, experimental LLVM IR GEMM);
+  transparent huge pages for the heap. The cached step still costs ~2.5 ms more than the same
+  step without a cache: the attention dots are small batched GEMMs (M = 2 query heads per KV
+  head) with the same packing cost, ~400 us per layer at S=256.
 - the Gumbel draw of `jax.random.categorical` (threefry bits for every vocabulary entry) was
-  ~0.7 ms of a ~6 ms B=8 step, and dominates at Qwen's vocabulary (B=8, V=151936: 31.6 ms per
+  ~0.7 ms of a ~6 ms B=8 step, and dominates at Qwen's vocabulary (B=8, V=151936: 31.7 ms per
   step). Greedy batches now skip it (`lax.cond`) and sampled ones use a blocked inverse-CDF draw
-  with one uniform per row: 13x (V=4096) to 200x (V=151936) cheaper.
+  with one uniform per row: 13x (V=4096) to 206x (V=151936) cheaper.
 - prefill computes logits only at each row's last token unless prompt log-probs are wanted.
-- decode engine / HF generate: greedy batch 1 3.77x (311 vs 92 tok/s), batch 8 2.19x (1072 vs
-  489), batch 64 1.70x (2206 vs 1215; 0.98x before); sampled T=1: 4.48x, 2.57x, 1.77x. Goal >= 3x
-  at batch 8 still NOT met (2.2x greedy, 2.6x sampled). 4-turn prefix reuse 0.83x (goal <= 1.3x:
-  met); HTTP overhead 2.3 ms (target < 5 ms: met).
+- decode engine / HF generate (5 repeats): greedy batch 1 4.18x (343 vs 88 tok/s), batch 8 2.24x
+  (1157 vs 517; per-repeat range 1.99-2.94), batch 64 1.58x (2183 vs 1356; 0.98x before);
+  sampled T=1: 4.35x, 2.93x (2.08-3.07), 2.01x. Goal >= 3x at batch 8 still NOT met. 4-turn
+  prefix reuse 0.87x (goal <= 1.3x: met); HTTP overhead 2.7 ms (target < 5 ms: met).
 """
 from __future__ import annotations
 
