@@ -177,6 +177,70 @@ def test_abort_request_returns_partial_result(server):
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 1000
 
 
+@pytest.mark.timeout(180)
+def test_pause_aborts_then_holds_requests_until_continue(server):
+    """SGLang's pause -> (update weights) -> continue flow: pausing aborts the running request,
+    a request sent while paused waits, and runs after /continue_generation on the new weights."""
+    results = {}
+
+    def send(name, body):
+        results[name] = call(server.url, "POST", "/generate", body)
+
+    status, out = call(server.url, "POST", "/pause_generation", {"mode": "in_place"})
+    assert status == 400 and "in_place" in out["error"]["message"]
+    long_body = {"input_ids": A, "rid": "paused-long",
+                 "sampling_params": {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True}}
+    running = threading.Thread(target=send, args=("long", long_body))
+    running.start()
+    while server.state.scheduler.num_pending == 0:
+        time.sleep(0.005)
+    time.sleep(0.1)
+    status, out = call(server.url, "POST", "/pause_generation", {"mode": "abort"})
+    assert status == 200 and out == {"message": "Generation paused successfully.", "status": "ok"}
+    running.join(60)
+    status, long_out = results["long"]
+    assert status == 200 and long_out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(long_out["output_ids"]) < 1000
+    waiting = threading.Thread(target=send, args=("late", {"input_ids": A, "sampling_params": GREEDY}))
+    waiting.start()
+    try:
+        time.sleep(0.5)
+        assert "late" not in results and server.state.scheduler.paused
+        assert call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(checkpoint(1)), "weight_version": "step-1"})[0] == 200
+        status, out = call(server.url, "POST", "/continue_generation", {})
+        assert status == 200 and out["status"] == "ok"
+        waiting.join(60)
+        status, late = results["late"]
+        assert status == 200 and late["output_ids"] == hf_greedy(A, 8, seed=1)
+        assert late["meta_info"]["weight_version"] == "step-1"
+    finally:
+        server.state.scheduler.resume()
+        engine().update_weights_from_disk(checkpoint(0), "default")
+
+
+def test_pause_completes_queued_requests_as_aborted():
+    """Requests still in the queue when the pause comes return at once, aborted, with no tokens."""
+    from cleaner_jax.rollout.request import GenRequest, SamplingParams
+    from cleaner_jax.rollout.scheduler import BatchScheduler
+
+    sched = BatchScheduler(engine())
+    try:
+        sched.pause()  # hold the worker so the next requests stay queued
+        futs = [sched.submit(GenRequest(tuple(A), SamplingParams(max_new_tokens=4, temperature=0.0), f"q{i}"))
+                for i in range(2)]
+        time.sleep(0.2)
+        sched.pause()
+        for fut in futs:
+            res = fut.result(timeout=5)
+            assert (res.finish_type, res.output_ids, res.prompt_tokens) == ("abort", [], len(A))
+        assert sched.num_pending == 0
+        sched.resume()
+        again = sched.submit(GenRequest(tuple(A), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), "q0"))
+        assert again.result(timeout=60).output_ids == hf_greedy(A, 4)  # the drained rid is not remembered as aborted
+    finally:
+        sched.close()
+
+
 def test_stream_sends_cumulative_chunk_and_done(server):
     req = urllib.request.Request(server.url + "/generate", method="POST", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"input_ids": A, "sampling_params": GREEDY, "stream": True}).encode())

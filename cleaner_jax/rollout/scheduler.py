@@ -35,6 +35,10 @@ class BatchScheduler:
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._unpaused = threading.Event()  # cleared by pause(): no new batch starts
+        self._unpaused.set()
+        self._held: _Item | None = None  # taken off the queue by the worker during a pause
+        self._hold_lock = threading.Lock()
         self.batches_run = 0  # observable for tests and logs
         self._thread = threading.Thread(target=self._worker, name="engine-batcher", daemon=True)
         self._thread.start()
@@ -66,8 +70,39 @@ class BatchScheduler:
         for rid in rids:
             self.engine.abort(rid)
 
+    def pause(self) -> None:
+        """SGLang's `/pause_generation` in "abort" mode: abort every request, running or queued,
+        and hold new ones in the queue until `resume()`, so weights can be swapped between.
+
+        Queued requests complete at once with finish type "abort" and no tokens; the running
+        batch stops at its next decode chunk with what it has.
+        """
+        self._unpaused.clear()
+        self.abort_all()
+        with self._hold_lock:
+            held, self._held = self._held, None
+        queued = ([held] if held is not None else []) + self._drain()
+        self.engine.forget_aborts([req.rid for req, _ in queued])
+        for req, fut in queued:
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(GenResult(
+                    rid=req.rid, output_ids=[], output_logprobs=[], finish_type="abort", matched=None,
+                    prompt_tokens=len(req.input_ids), cached_tokens=0, weight_version=self.engine.weight_version,
+                ))
+            with self._pending_lock:
+                self._pending.pop(req.rid, None)
+
+    def resume(self) -> None:
+        """`/continue_generation`: run what was queued while paused, and everything after."""
+        self._unpaused.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
     def close(self) -> None:
         self._closed = True
+        self._unpaused.set()
         self._queue.put(None)
         self._thread.join(timeout=60)
 
@@ -97,6 +132,14 @@ class BatchScheduler:
             first = self._queue.get()
             if first is None:
                 break
+            if not self._unpaused.is_set():  # it came in during a pause: hold it for resume()
+                with self._hold_lock:
+                    self._held = first
+                self._unpaused.wait()
+                with self._hold_lock:
+                    first, self._held = self._held, None
+                if first is None:  # a later pause() aborted it
+                    continue
             batch, stop = self._collect(first)
             live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
             self.batches_run += 1
@@ -116,14 +159,20 @@ class BatchScheduler:
             fut.set_exception(RuntimeError("BatchScheduler closed before the request ran"))
 
     def _drain(self) -> list[_Item]:
-        items = []
+        """Take every queued request; a close() sentinel met on the way is put back."""
+        items, sentinel = [], False
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return items
-            if item is not None:
+                break
+            if item is None:
+                sentinel = True
+            else:
                 items.append(item)
+        if sentinel:
+            self._queue.put(None)
+        return items
 
 
 class EngineGenerate:

@@ -311,6 +311,25 @@ def build_app(state: ServerState) -> web.Application:
         state.engine.weight_version = str(body["new_version"])
         return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
 
+    @routes.post("/pause_generation")
+    async def pause_generation(request: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        body = await request.json() if request.can_read_body else {}
+        mode = body.get("mode", "abort")
+        if mode != "abort":
+            return _error(400, f"pause_generation mode {mode!r} is not supported by this server; use \"abort\" "
+                               "(requests are aborted, new ones wait for /continue_generation)")
+        state.scheduler.pause()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @routes.post("/continue_generation")
+    async def continue_generation(_: web.Request) -> web.Response:
+        if (resp := not_ready()) is not None:
+            return resp
+        state.scheduler.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
     @routes.post("/abort_request")
     async def abort_request(request: web.Request) -> web.Response:
         if (resp := not_ready()) is not None:
