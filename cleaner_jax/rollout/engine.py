@@ -177,10 +177,6 @@ class Engine:
         with self._abort_lock:
             self._aborted.add(rid)
 
-    def forget_aborts(self, rids: list[str]) -> None:
-        """Drop pending aborts of requests that will never reach the engine."""
-        self._take_aborted(rids)
-
     def _take_aborted(self, rids: list[str]) -> set[str]:
         with self._abort_lock:
             hit = self._aborted.intersection(rids)

@@ -78,19 +78,18 @@ class BatchScheduler:
         batch stops at its next decode chunk with what it has.
         """
         self._unpaused.clear()
-        self.abort_all()
         with self._hold_lock:
             held, self._held = self._held, None
         queued = ([held] if held is not None else []) + self._drain()
-        self.engine.forget_aborts([req.rid for req, _ in queued])
         for req, fut in queued:
+            with self._pending_lock:
+                self._pending.pop(req.rid, None)
             if fut.set_running_or_notify_cancel():
                 fut.set_result(GenResult(
                     rid=req.rid, output_ids=[], output_logprobs=[], finish_type="abort", matched=None,
                     prompt_tokens=len(req.input_ids), cached_tokens=0, weight_version=self.engine.weight_version,
                 ))
-            with self._pending_lock:
-                self._pending.pop(req.rid, None)
+        self.abort_all()  # what is still pending is in the running batch
 
     def resume(self) -> None:
         """`/continue_generation`: run what was queued while paused, and everything after."""
