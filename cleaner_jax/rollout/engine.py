@@ -337,20 +337,21 @@ def _prefill(graphdef, state, cache, tokens, mask, params: RowParams, seeds, wan
     model = nnx.merge(graphdef, state)
     b = tokens.shape[0]
     h, cache = model.hidden_states(tokens, attention_mask=mask, cache=cache)  # [B, T, H]
-    kernel = model.lm_head_kernel()
+    last_pos = mask.sum(-1) - 1  # [B]
     # Logits of the last real token only, unless prompt log-probs are wanted: the full [B, T, V]
     # is a quarter of a 5M model's prefill FLOPs, and 1.2 GB per 2k-token row at Qwen's vocab.
-    last = qwen.logits_from_hidden(h[jnp.arange(b), mask.sum(-1) - 1], kernel)  # [B, V]
+    if want_prompt_lp:
+        logits = qwen.logits_from_hidden(h, model.lm_head_kernel())  # [B, T, V]
+        last = logits[jnp.arange(b), last_pos]  # [B, V]
+    else:
+        last = qwen.logits_from_hidden(h[jnp.arange(b), last_pos], model.lm_head_kernel())  # [B, V]
     keys = jax.vmap(jax.random.key)(seeds)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
     tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)
     count = (params.max_new > 0).astype(jnp.int32)
     done = (params.max_new <= 1) | _is_stop(tok, params.stop_ids)
     # SGLang's prompt log-probs are untempered whatever the request's temperature (prompt_temp 0).
-    prompt_lp = None
-    if want_prompt_lp:
-        logits = qwen.logits_from_hidden(h, kernel)  # [B, T, V]
-        prompt_lp = sampling.next_token_logprobs(logits, tokens, params.prompt_temp)
+    prompt_lp = sampling.next_token_logprobs(logits, tokens, params.prompt_temp) if want_prompt_lp else None
     return DecodeState(cache, tok, done, count, keys), lp, prompt_lp
 
 
