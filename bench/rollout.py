@@ -50,19 +50,20 @@ Findings after the KV-cache layout change (2026-11-30, same shape, torch 1 threa
 
 Findings after the sampler, prefill and row-wise matmul changes (2026-11-30, same shape, torch
 1 thread, load ~1):
-- profile of one B=8 cached step (jax.profiler, XLA:CPU thunk trace): ~80% is the dots, each a
-  YNNPACK GEMM that packs its weight matrix on every call. With 8 rows and weights not in cache a
-  [256, 768] dot costs 130-175 us against 12 us for a 1-row matrix-vector product over the same
-  cold weights and 43 us for the 8-row GEMM on hot weights, so the step is bound by per-call
-  weight packing, not FLOPs (67 MFLOP/step) or bandwidth.
-- kept: `layers.matmul` issues a 2-8-row CPU matmul as one matrix-vector product per row (in-
-  process interleaved A/B, 8 repeats: B=8 decode 1.07-1.12x with the tied lm head, 1.21x untied).
-  Tried without a gain: fused q/k/v and gate/up weights; the weight-transposed product W^T x^T;
-  per-group matrix-vector attention (1.01x); elementwise-reduce attention (10x slower); XLA flags
-  (xnnpack off, onednn, xnn/ynn fusion types, multi-thread Eigen off, experimental LLVM IR GEMM);
-  transparent huge pages for the heap. The cached step still costs ~2.5 ms more than the same
-  step without a cache: the attention dots are small batched GEMMs (M = 2 query heads per KV
-  head) with the same packing cost, ~400 us per layer at S=256.
+- profile of one B=8 cached step (jax.profiler, XLA:CPU thunk trace; a one-off script, not kept):
+  ~80% is the dots, each a YNNPACK GEMM that packs its weight matrix on every call, so the step
+  is bound by per-call weight packing, not FLOPs (67 MFLOP/step) or bandwidth.
+- kept: `layers.matmul` issues a 2-8-row CPU matmul as one matrix-vector product per row.
+  bench/rowwise.py measures it against one GEMM (two runs): an 8-row dot on cold [256, 768]
+  weights 108-165 us as a GEMM, 75-144 us row-wise; B=8 engine decode 1.05-1.08x faster with the
+  tied lm head, 1.09-1.12x untied.
+  Tried without a gain (one-off scripts, not kept): fused q/k/v and gate/up weights; the
+  weight-transposed product W^T x^T; per-group matrix-vector attention (1.01x); elementwise-
+  reduce attention (10x slower); XLA flags (xnnpack off, onednn, xnn/ynn fusion types,
+  multi-thread Eigen off, experimental LLVM IR GEMM); transparent huge pages for the heap. In the
+  same profile the cached step cost ~2.5 ms more than the step without a cache: the attention
+  dots are small batched GEMMs (M = 2 query heads per KV head) with the same packing cost,
+  ~400 us per layer at S=256.
 - the Gumbel draw of `jax.random.categorical` (threefry bits for every vocabulary entry) was
   ~0.7 ms of a ~6 ms B=8 step, and dominates at Qwen's vocabulary (B=8, V=151936: 31.7 ms per
   step). Greedy batches now skip it (`lax.cond`) and sampled ones use a blocked inverse-CDF draw

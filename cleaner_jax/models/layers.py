@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 
 # XLA:CPU runs a dot with a handful of rows as a GEMM that packs the whole weight matrix into a
-# scratch layout on every call; a matrix-vector product streams the weights as they lie (cold
-# [256, 768] weights: 8-row GEMM 130-175 us, 1-row product 12 us). Up to this many rows a CPU
-# matmul is therefore issued as one matrix-vector product per row, independent ones that XLA
-# spreads over the cores: B=8 decode of the 5M benchmark model ran 1.07-1.12x faster with a tied
-# and 1.21x with an untied lm head (bench/rollout.py). GPUs and larger row counts keep the GEMM.
+# scratch layout on every call; a matrix-vector product streams the weights as they lie. Up to
+# this many rows a CPU matmul is therefore issued as one matrix-vector product per row,
+# independent ones that XLA spreads over the cores. bench/rowwise.py (two runs, 2026-11-30): an
+# 8-row dot on cold [256, 768] weights 108-165 us as a GEMM, 75-144 us row-wise; B=8 decode of the
+# 5M benchmark model 1.05-1.08x faster with a tied, 1.09-1.12x with an untied lm head. GPUs and
+# larger row counts keep the GEMM.
 ROWWISE_MAX_ROWS = 8
 
 # Finite "minus infinity": a query whose keys are all masked (a left-pad position) gets a
