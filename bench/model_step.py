@@ -79,6 +79,7 @@ from flax import nnx  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from cleaner_jax.models import qwen  # noqa: E402
+from cleaner_jax.testing.decode import greedy_decoder  # noqa: E402
 
 FULL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=5, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, batch=8, seq=256, prompt=16, new_tokens=128, repeats=5)
@@ -113,27 +114,6 @@ def jax_train_step(model: qwen.Qwen) -> Callable[[jax.Array], jax.Array]:
         return loss
 
     return run
-
-
-def jax_greedy(model: qwen.Qwen, new_tokens: int) -> Callable[[jax.Array], jax.Array]:
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def decode(state, prompt):
-        m = nnx.merge(graphdef, state)
-        cache = qwen.init_cache(m.config, prompt.shape[0], prompt.shape[1] + new_tokens)
-        logits, cache = m(prompt, cache=cache)
-        first = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-
-        def body(carry, _):
-            tok, cache = carry
-            logits, cache = m(tok[:, None], cache=cache)
-            return (jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache), tok
-
-        _, toks = jax.lax.scan(body, (first, cache), None, length=new_tokens)
-        return toks.T
-
-    return lambda prompt: jax.block_until_ready(decode(state, prompt))
 
 
 def torch_train_step(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -261,7 +241,8 @@ def main() -> None:
         if args.skip_decode:
             return
         pj = jnp.asarray(prompt, jnp.int32)
-        jgen = jax_greedy(jmodel, new)
+        decode = greedy_decoder(jmodel, new)
+        jgen = lambda prompt: jax.block_until_ready(decode(prompt))  # noqa: E731
         med = interleaved({"jax": lambda: timed(lambda: jgen(pj)), "torch": lambda: worker.timed("generate")},
                           max(2, repeats // 2), warmup=1)
         same = (np.asarray(jgen(pj)) == worker.generated()).mean()

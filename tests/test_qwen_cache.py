@@ -1,7 +1,6 @@
 """KV-cache decoding vs full forward passes and vs transformers `generate`."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import qwen
+from cleaner_jax.testing.decode import greedy_decoder
 from cleaner_jax.testing.tiny import make_tiny_checkpoint
 
 
@@ -44,34 +44,11 @@ def test_incremental_decoding_equals_full_forward(case):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
 
 
-def greedy(model, prompt: jax.Array, steps: int) -> np.ndarray:
-    """Prefill + `steps` greedy tokens with a static cache inside one jitted loop."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def run(state, prompt):
-        m = nnx.merge(graphdef, state)
-        cache = qwen.init_cache(m.config, prompt.shape[0], prompt.shape[1] + steps)
-        logits, cache = m(prompt, cache=cache)
-        first = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-
-        def body(carry, _):
-            tok, cache = carry
-            logits, cache = m(tok[:, None], cache=cache)
-            nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
-            return (nxt, cache), tok
-
-        _, toks = jax.lax.scan(body, (first, cache), None, length=steps)
-        return toks.T  # [B, steps]
-
-    return np.asarray(run(state, prompt))
-
-
 def test_greedy_tokens_equal_transformers_generate(case):
     model, hf_model = case
     prompt = np.random.default_rng(1).integers(0, 512, (2, 6))
     steps = 40
-    ours = greedy(model, jnp.asarray(prompt, jnp.int32), steps)
+    ours = np.asarray(greedy_decoder(model, steps)(jnp.asarray(prompt, jnp.int32)))
     with torch.no_grad():
         ref = hf_model.generate(
             torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long), do_sample=False,
