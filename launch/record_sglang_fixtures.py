@@ -33,6 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from cleaner_jax.testing.http import http_call as call
 from cleaner_jax.testing.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,18 +54,6 @@ def checkpoint_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def call(base: str, method: str, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read().decode()
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:

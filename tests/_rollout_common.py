@@ -6,14 +6,12 @@ the same compiled engine; everything is built under one temporary directory.
 from __future__ import annotations
 
 import functools
-import json
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from cleaner_jax.testing.http import http_call
 from cleaner_jax.testing.tiny import make_tiny_checkpoint
 
 
@@ -68,14 +66,4 @@ def hf_logprobs(ids: list[int], temperature: float, seed: int = 0) -> np.ndarray
 
 def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
     """One HTTP request with urllib (independent of our client); returns (status, JSON or text)."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
+    return http_call(url, method, path, body, raw=raw)
