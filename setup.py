@@ -44,6 +44,7 @@ setup(
     description="CLEANER (SAAR-purified agentic RL) for Qwen2/Qwen3 in JAX/Flax NNX",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["cleaner_jax", "cleaner_jax.*"]),
+    package_data={"cleaner_jax.models": ["csrc/*.cc"]},  # compiled on first use (models/cpu_kernels.py)
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

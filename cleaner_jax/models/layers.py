@@ -6,8 +6,12 @@ the activation dtype; attention scores and softmax are f32.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from cleaner_jax.models import cpu_kernels
 
 # XLA:CPU runs a dot with a handful of rows as a GEMM that packs the whole weight matrix into a
 # scratch layout on every call; a matrix-vector product streams the weights as they lie. Up to
@@ -125,7 +129,40 @@ def cached_attention(
     if impl == "cudnn":
         k, v = k_t.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
         return _cudnn_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    if q.shape[1] == 1 and _decode_kernel_applies(q, k_t, v):
+        return _kernel_decode_attention(q, k_t, v, mask)
     return _grouped_attention(q, k_t, v, mask)
+
+
+def _decode_kernel_applies(*arrays: jax.Array) -> bool:
+    return (
+        jax.default_backend() == "cpu"
+        and all(a.dtype == jnp.float32 for a in arrays)
+        and cpu_kernels.available()
+    )
+
+
+@jax.custom_vjp
+def _kernel_decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`_grouped_attention` of one new token (q [B, 1, N, hd]) by `cpu_kernels.decode_attention`."""
+    b, _, n, hd = q.shape
+    kv = k_t.shape[1]
+    out = cpu_kernels.decode_attention(q.reshape(b, kv, n // kv, hd), k_t, v, mask[:, 0], hd**-0.5)
+    return out.reshape(b, 1, n, hd)
+
+
+def _kernel_decode_attention_fwd(q, k_t, v, mask):
+    return _kernel_decode_attention(q, k_t, v, mask), (q, k_t, v, mask)
+
+
+def _kernel_decode_attention_bwd(res, g):
+    """Gradients through the XLA formulation: the kernel itself is forward-only."""
+    q, k_t, v, mask = res
+    _, vjp = jax.vjp(functools.partial(_grouped_attention, mask=mask), q, k_t, v)
+    return (*vjp(g), None)
+
+
+_kernel_decode_attention.defvjp(_kernel_decode_attention_fwd, _kernel_decode_attention_bwd)
 
 
 def _grouped_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
