@@ -1,5 +1,6 @@
-"""The C++ decode-attention kernel (models/cpu_kernels.py) against a float64 NumPy reference,
-its dispatch from `layers.cached_attention`, and what happens when it cannot be built."""
+"""The C++ decode kernels (models/cpu_kernels.py) against float64 NumPy references, their
+dispatch from `layers`, and what happens when they cannot be built. The engine's parity tests
+(tests/test_rollout_engine.py) run them against Hugging Face `generate`."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,48 @@ def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail instead of falling back, so these tests never pass without the kernel."""
     monkeypatch.setenv(cpu_kernels.ENV_VAR, "on")
     assert cpu_kernels.available()
+
+
+def ffi_calls(fn, *args) -> int:
+    """Calls of our FFI targets in fn's program: a fresh lambda per trace, because JAX caches
+    traces per function and the kernels' mode is read at trace time."""
+    return str(jax.make_jaxpr(lambda *a: fn(*a))(*args)).count("cj_")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k,n", [(256, 768), (37, 100), (768, 129), (8, 16)])
+def test_small_matmuls_match_float64(kernels_on, rows, k, n):
+    """Both layouts, with tails past the vector width in K and N and an odd N."""
+    rng = np.random.default_rng(rows * 1000 + k + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    tol = dict(rtol=1e-5, atol=2e-5 * np.sqrt(k))
+    np.testing.assert_allclose(np.asarray(jax.jit(cpu_kernels.small_matmul)(x, w)), want, **tol)
+    w_t = np.ascontiguousarray(w.T)
+    np.testing.assert_allclose(np.asarray(jax.jit(cpu_kernels.small_matmul_t)(x, w_t)), want, **tol)
+
+
+def test_matmul_dispatch_and_gradients(kernels_on):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    w_t = np.ascontiguousarray(w.T)
+    assert ffi_calls(layers.matmul, x, w) == 1 and ffi_calls(layers.matmul_t, x, w_t) == 1
+    x9 = rng.standard_normal((9, 24)).astype(np.float32)
+    assert ffi_calls(layers.matmul, x9, w) == 0 and ffi_calls(layers.matmul_t, x9, w_t) == 0
+    assert ffi_calls(layers.matmul, x[:1], w) == 0 and ffi_calls(layers.matmul_t, x[:1], w_t) == 0
+    assert ffi_calls(layers.matmul, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
+
+    # d/dx sum((x @ w) * g) = g @ w^T and d/dw = x^T @ g, by hand in float64
+    g = rng.standard_normal((4, 40)).astype(np.float32)
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+    dx, dw = jax.grad(lambda x, w: (layers.matmul(x, w) * g).sum(), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(dx), g64 @ w64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), x64.T @ g64, rtol=1e-5, atol=1e-5)
+    dx, dw_t = jax.grad(lambda x, w_t: (layers.matmul_t(x, w_t) * g).sum(), argnums=(0, 1))(x, w_t)
+    np.testing.assert_allclose(np.asarray(dx), g64 @ w64.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw_t), (x64.T @ g64).T, rtol=1e-5, atol=1e-5)
 
 
 def reference_attention(q, k_t, v, mask) -> np.ndarray:
@@ -64,10 +107,6 @@ def test_cached_attention_dispatch_and_gradient(kernels_on, monkeypatch):
     mask = np.zeros((b, 1, s), bool)
     mask[0, 0, :5] = True
     mask[1, 0, [0, 3, 9]] = True
-
-    def ffi_calls(fn, *args) -> int:
-        # a fresh lambda each time: JAX caches traces per function, and the mode is read at trace time
-        return str(jax.make_jaxpr(lambda *a: fn(*a))(*args)).count("cj_decode_attention")
 
     assert ffi_calls(layers.cached_attention, q, k_t, v, mask) == 1
     q2 = np.concatenate([q, q], axis=1)

@@ -83,15 +83,20 @@ def test_hidden_states_and_lm_head_kernel_give_logits(case):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
-def test_rowwise_matmul_matches_numpy(rows):
-    """`layers.matmul` (row by row up to ROWWISE_MAX_ROWS on CPU, one GEMM above) is x @ w."""
+def test_rowwise_matmul_matches_numpy(rows, monkeypatch):
+    """Without the C++ kernels (tests/test_cpu_kernels.py), `layers.matmul` and `matmul_t` go row
+    by row up to ROWWISE_MAX_ROWS on CPU and use one GEMM above; either way they are x @ w."""
     import jax
 
-    from cleaner_jax.models import layers
+    from cleaner_jax.models import cpu_kernels, layers
 
+    monkeypatch.setenv(cpu_kernels.ENV_VAR, "off")
     rng = np.random.default_rng(rows)
     x, w = rng.normal(size=(rows, 48)).astype(np.float32), rng.normal(size=(48, 40)).astype(np.float32)
-    got = np.asarray(jax.jit(layers.matmul)(jnp.asarray(x), jnp.asarray(w)))
-    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-5)
-    dots = [e for e in jax.make_jaxpr(layers.matmul)(x, w).eqns if e.primitive.name == "dot_general"]
-    assert len(dots) == (rows if 1 < rows <= layers.ROWWISE_MAX_ROWS else 1)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    for fn, weight in ((layers.matmul, w), (layers.matmul_t, np.ascontiguousarray(w.T))):
+        # a fresh lambda per trace: JAX caches traces per function, and the mode is read at trace time
+        got = np.asarray(jax.jit(lambda a, b: fn(a, b))(jnp.asarray(x), jnp.asarray(weight)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        dots = [e for e in jax.make_jaxpr(lambda a, b: fn(a, b))(x, weight).eqns if e.primitive.name == "dot_general"]
+        assert len(dots) == (rows if 1 < rows <= layers.ROWWISE_MAX_ROWS else 1)

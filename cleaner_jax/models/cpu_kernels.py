@@ -1,10 +1,16 @@
-"""Float32 CPU kernels (csrc/cpu_kernels.cc) called through XLA FFI: decode attention.
+"""Float32 CPU kernels for few-row decode (csrc/cpu_kernels.cc), called through XLA FFI.
 
-At decode time XLA:CPU runs attention's two dots as batched GEMMs of 2-8 rows (the query heads
-sharing a KV head) that pack the keys or values on every call, over every cache slot whether it
-holds a token yet or not. `decode_attention` reads the cache once as it lies and stops at each
-row's last valid slot. `bench/rollout.py` measures the engine with and without it
-(`--cpu-kernels off`).
+At decode time every matmul has one row per sequence, and XLA:CPU runs such a dot as a GEMM
+that packs the whole weight matrix into a scratch layout on every call; attention's dots (the
+2-8 query heads sharing a KV head) pay the same, over every cache slot whether it holds a token
+yet or not. These kernels read weights and cache once, as they lie:
+
+- `small_matmul(x, w)`: x [M, K] @ w [K, N] (`nnx.Linear` kernels);
+- `small_matmul_t(x, w_t)`: x [M, K] @ w_t[N, K]^T (a tied embedding as the lm head, untransposed);
+- `decode_attention`: one new token per row, stopping at each row's last valid cache slot.
+
+`layers.matmul`, `layers.matmul_t` and `layers.cached_attention` use them for float32 on CPU;
+`bench/rollout.py --cpu-kernels off` measures the engine without them.
 
 The C++ source is compiled on first use against the installed jaxlib's FFI headers (a few
 seconds; `CXX`, default `c++`) with `-march=native`, and cached under
@@ -38,7 +44,11 @@ import numpy as np
 ENV_VAR = "CLEANER_JAX_CPU_KERNELS"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cc"
-_TARGETS = {"cj_decode_attention": "CjDecodeAttention"}
+_TARGETS = {
+    "cj_small_matmul": "CjSmallMatmul",
+    "cj_small_matmul_t": "CjSmallMatmulT",
+    "cj_decode_attention": "CjDecodeAttention",
+}
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -135,6 +145,44 @@ def _register(path: Path) -> None:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, AttributeError) as e:
         raise CpuKernelBuildError(f"could not load {path}: {e}; delete it to rebuild") from e
+
+
+@jax.custom_vjp
+def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N], float32, for a few rows (call `available()` first)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("cj_small_matmul", out, vmap_method="sequential")(x, w)
+
+
+def _small_matmul_fwd(x, w):
+    return small_matmul(x, w), (x, w)
+
+
+def _small_matmul_bwd(res, g):
+    x, w = res
+    return jnp.dot(g, w.T), jnp.dot(x.T, g)
+
+
+small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
+
+
+@jax.custom_vjp
+def small_matmul_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    """x [M, K] @ w_t [N, K]^T -> [M, N], float32, for a few rows (call `available()` first)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w_t.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("cj_small_matmul_t", out, vmap_method="sequential")(x, w_t)
+
+
+def _small_matmul_t_fwd(x, w_t):
+    return small_matmul_t(x, w_t), (x, w_t)
+
+
+def _small_matmul_t_bwd(res, g):
+    x, w_t = res
+    return jnp.dot(g, w_t), jnp.dot(g.T, x)
+
+
+small_matmul_t.defvjp(_small_matmul_t_fwd, _small_matmul_t_bwd)
 
 
 def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 from cleaner_jax.models import cpu_kernels
 
 # XLA:CPU runs a dot with a handful of rows as a GEMM that packs the whole weight matrix into a
-# scratch layout on every call; a matrix-vector product streams the weights as they lie. Up to
-# this many rows a CPU matmul is therefore issued as one matrix-vector product per row,
-# independent ones that XLA spreads over the cores. bench/rowwise.py (two runs, 2026-11-30): an
-# 8-row dot on cold [256, 768] weights 108-165 us as a GEMM, 75-144 us row-wise; B=8 decode of the
-# 5M benchmark model 1.05-1.08x faster with a tied, 1.09-1.12x with an untied lm head. GPUs and
-# larger row counts keep the GEMM.
+# scratch layout on every call (one row is a matrix-vector product, which is fast as it is). From
+# two rows up to this many, a float32 CPU matmul therefore goes to
+# `cpu_kernels` (which stream the weights as they lie); where those are off or unbuilt, or for
+# other dtypes, it is issued as one matrix-vector product per row, which XLA spreads over the
+# cores. bench/rowwise.py (two runs, 2026-11-30): an 8-row dot on cold [256, 768] weights
+# 108-165 us as a GEMM, 75-144 us row-wise. bench/rollout.py measures the engine with and
+# without the kernels. GPUs and larger row counts keep the GEMM.
 ROWWISE_MAX_ROWS = 8
 
 # Finite "minus infinity": a query whose keys are all masked (a left-pad position) gets a
@@ -54,11 +55,31 @@ def _rowwise(x: jax.Array) -> bool:
     return x.ndim == 2 and 1 < x.shape[0] <= ROWWISE_MAX_ROWS and jax.default_backend() == "cpu"
 
 
+def _cpu_kernels_apply(*arrays: jax.Array) -> bool:
+    return (
+        jax.default_backend() == "cpu"
+        and all(a.dtype == jnp.float32 for a in arrays)
+        and cpu_kernels.available()
+    )
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N]; a few rows on CPU go row by row (see ROWWISE_MAX_ROWS)."""
+    """x [M, K] @ w [K, N] -> [M, N]; a few rows on CPU avoid XLA's GEMM (see ROWWISE_MAX_ROWS)."""
     if not _rowwise(x):
         return jnp.dot(x, w)
+    if _cpu_kernels_apply(x, w):
+        return cpu_kernels.small_matmul(x, w)
     return jnp.stack([jnp.dot(x[i], w) for i in range(x.shape[0])])
+
+
+def matmul_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    """x [M, K] @ w_t [N, K]^T -> [M, N]: `matmul` for a weight stored transposed (a tied lm head),
+    so that the few-row CPU kernel reads it as it lies instead of XLA copying its transpose."""
+    if not _rowwise(x):
+        return jnp.dot(x, w_t.T)
+    if _cpu_kernels_apply(x, w_t):
+        return cpu_kernels.small_matmul_t(x, w_t)
+    return jnp.stack([jnp.dot(x[i], w_t.T) for i in range(x.shape[0])])
 
 
 def linear_dot_general(
@@ -129,17 +150,9 @@ def cached_attention(
     if impl == "cudnn":
         k, v = k_t.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd]
         return _cudnn_attention(q, k, v, mask, q.shape[-1] ** -0.5)
-    if q.shape[1] == 1 and _decode_kernel_applies(q, k_t, v):
+    if q.shape[1] == 1 and _cpu_kernels_apply(q, k_t, v):
         return _kernel_decode_attention(q, k_t, v, mask)
     return _grouped_attention(q, k_t, v, mask)
-
-
-def _decode_kernel_applies(*arrays: jax.Array) -> bool:
-    return (
-        jax.default_backend() == "cpu"
-        and all(a.dtype == jnp.float32 for a in arrays)
-        and cpu_kernels.available()
-    )
 
 
 @jax.custom_vjp

@@ -177,6 +177,18 @@ class Qwen(nnx.Module):
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
 
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [..., H] -> float32 logits [..., V], equal to `logits_from_hidden(h, lm_head_kernel())`.
+
+        A tied head multiplies by the embedding as stored ([V, H]), so that the few-row CPU
+        decode kernel reads it in place rather than XLA copying its transpose every step.
+        """
+        if not self.config.tie_word_embeddings:
+            return logits_from_hidden(h, self.lm_head.kernel[...])
+        flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # [B*T, H]
+        embedding = self.embed_tokens.embedding[...].astype(jnp.float32)  # [V, H]
+        return layers.matmul_t(flat, embedding).reshape(*h.shape[:-1], embedding.shape[0])
+
     def __call__(
         self,
         input_ids: jax.Array,  # [B, T] int32
@@ -193,7 +205,7 @@ class Qwen(nnx.Module):
         """
         out = self.hidden_states(input_ids, positions, attention_mask=attention_mask, cache=cache)
         h, new_cache = out if cache is not None else (out, None)
-        logits = logits_from_hidden(h, self.lm_head_kernel())
+        logits = self.logits(h)
         return logits if cache is None else (logits, new_cache)
 
     def hidden_states(

@@ -341,10 +341,10 @@ def _prefill(graphdef, state, cache, tokens, mask, params: RowParams, seeds, wan
     # Logits of the last real token only, unless prompt log-probs are wanted: the full [B, T, V]
     # is a quarter of a 5M model's prefill FLOPs, and 1.2 GB per 2k-token row at Qwen's vocab.
     if want_prompt_lp:
-        logits = qwen.logits_from_hidden(h, model.lm_head_kernel())  # [B, T, V]
+        logits = model.logits(h)  # [B, T, V]
         last = logits[jnp.arange(b), last_pos]  # [B, V]
     else:
-        last = qwen.logits_from_hidden(h[jnp.arange(b), last_pos], model.lm_head_kernel())  # [B, V]
+        last = model.logits(h[jnp.arange(b), last_pos])  # [B, V]
     keys = jax.vmap(jax.random.key)(seeds)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
     tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)

@@ -19,6 +19,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CJ_AVX2 1
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -48,6 +53,145 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& fn) {
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
+
+// y[:, n0:n1] = x[M, K] @ w[K, n0:n1] for row-major x, w, y (ldy = ldw = N). Four rows of w at a
+// time are held in registers and applied to every row of x (rank-4 updates), so w streams
+// through once in memory order while the output panel stays in L1.
+void MatmulPanel(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                 int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) std::memset(y + m * N + n0, 0, sizeof(float) * (n1 - n0));
+  int64_t k = 0;
+#ifdef CJ_AVX2
+  const int64_t nv = n0 + (n1 - n0) / 16 * 16;
+  for (; k + 4 <= K; k += 4) {
+    const float* w0 = w + k * N;
+    for (int64_t n = n0; n < nv; n += 16) {
+      const __m256 a0 = _mm256_loadu_ps(w0 + n), b0 = _mm256_loadu_ps(w0 + n + 8);
+      const __m256 a1 = _mm256_loadu_ps(w0 + N + n), b1 = _mm256_loadu_ps(w0 + N + n + 8);
+      const __m256 a2 = _mm256_loadu_ps(w0 + 2 * N + n), b2 = _mm256_loadu_ps(w0 + 2 * N + n + 8);
+      const __m256 a3 = _mm256_loadu_ps(w0 + 3 * N + n), b3 = _mm256_loadu_ps(w0 + 3 * N + n + 8);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K + k;
+        float* ym = y + m * N + n;
+        __m256 c0 = _mm256_loadu_ps(ym), c1 = _mm256_loadu_ps(ym + 8);
+        __m256 s = _mm256_broadcast_ss(xm);
+        c0 = _mm256_fmadd_ps(s, a0, c0);
+        c1 = _mm256_fmadd_ps(s, b0, c1);
+        s = _mm256_broadcast_ss(xm + 1);
+        c0 = _mm256_fmadd_ps(s, a1, c0);
+        c1 = _mm256_fmadd_ps(s, b1, c1);
+        s = _mm256_broadcast_ss(xm + 2);
+        c0 = _mm256_fmadd_ps(s, a2, c0);
+        c1 = _mm256_fmadd_ps(s, b2, c1);
+        s = _mm256_broadcast_ss(xm + 3);
+        c0 = _mm256_fmadd_ps(s, a3, c0);
+        c1 = _mm256_fmadd_ps(s, b3, c1);
+        _mm256_storeu_ps(ym, c0);
+        _mm256_storeu_ps(ym + 8, c1);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K + k;
+      for (int64_t n = nv; n < n1; ++n)
+        y[m * N + n] += xm[0] * w0[n] + xm[1] * w0[N + n] + xm[2] * w0[2 * N + n] + xm[3] * w0[3 * N + n];
+    }
+  }
+#endif
+  for (; k < K; ++k) {  // the K % 4 tail, and every row where AVX2 is absent (auto-vectorised)
+    const float* wk = w + k * N;
+    for (int64_t m = 0; m < M; ++m) {
+      const float a = x[m * K + k];
+      float* ym = y + m * N;
+      for (int64_t n = n0; n < n1; ++n) ym[n] += a * wk[n];
+    }
+  }
+}
+
+// y[:, n0:n1] = x[M, K] @ w_t[n0:n1, K]^T, for a weight stored [N, K] (a tied embedding used as the
+// lm head): each output is a dot product of two contiguous rows; two rows of w_t are applied to
+// four rows of x at a time, so w_t streams through once.
+void MatmulTPanel(const float* __restrict x, const float* __restrict w_t, float* __restrict y,
+                  int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#ifdef CJ_AVX2
+  const int64_t kv = K / 8 * 8;
+  auto hsum = [](__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  };
+  for (; n + 2 <= n1; n += 2) {
+    const float* e0 = w_t + n * K;
+    const float* e1 = e0 + K;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      __m256 c0[4], c1[4];
+      for (int r = 0; r < 4; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < kv; k += 8) {
+        const __m256 a = _mm256_loadu_ps(e0 + k), b = _mm256_loadu_ps(e1 + k);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + k);
+          c0[r] = _mm256_fmadd_ps(xv, a, c0[r]);
+          c1[r] = _mm256_fmadd_ps(xv, b, c1[r]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xm = x + (m0 + r) * K;
+        float s0 = hsum(c0[r]), s1 = hsum(c1[r]);
+        for (int64_t k = kv; k < K; ++k) {
+          s0 += xm[k] * e0[k];
+          s1 += xm[k] * e1[k];
+        }
+        y[(m0 + r) * N + n] = s0;
+        y[(m0 + r) * N + n + 1] = s1;
+      }
+    }
+  }
+#endif
+  for (; n < n1; ++n)  // the odd last row, and every row where AVX2 is absent (auto-vectorised)
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w_t[n * K + k];
+      y[m * N + n] = s;
+    }
+}
+
+// Column panels of at least this many outputs per task: narrower ones cost more in scheduling
+// than they save.
+constexpr int64_t kMinPanel = 128;
+
+// Splits the N outputs into one panel per thread (multiples of 16) and runs `panel` on each.
+template <typename Panel>
+ffi::Error SmallMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+                       ffi::ResultBuffer<ffi::F32>& y, bool transposed, Panel panel) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t K = transposed ? wd[1] : wd[0];
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != K)
+    return ffi::Error::InvalidArgument(transposed ? "cj_small_matmul_t: expected x [M, K] and w_t [N, K]"
+                                                  : "cj_small_matmul: expected x [M, K] and w [K, N]");
+  const int64_t M = xd[0], N = transposed ? wd[0] : wd[1];
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads() + 1, N / kMinPanel));
+  const int64_t per = ((N + tasks - 1) / tasks + 15) / 16 * 16;
+  ParallelFor(pool, (N + per - 1) / per, [&](int64_t t) {
+    panel(xp, wp, yp, M, K, N, t * per, std::min(N, (t + 1) * per));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmul(pool, x, w, y, /*transposed=*/false, MatmulPanel);
+}
+
+ffi::Error SmallMatmulTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_t,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmul(pool, x, w_t, y, /*transposed=*/true, MatmulTPanel);
+}
+
 
 // One (batch row, KV head) of single-token GQA attention: q [G, hd]; k_t [hd, S]; v [S, hd];
 // mask [S]; out [G, hd]. Same math as `layers._grouped_attention` (f32 scores, softmax, probs @ v)
@@ -125,6 +269,20 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CjSmallMatmul, SmallMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CjSmallMatmulT, SmallMatmulTImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CjDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
