@@ -29,10 +29,15 @@ namespace ffi = xla::ffi;
 namespace {
 
 // Runs fn(i) for i in [0, n) on the calling thread and XLA's pool, returning when all are done.
-// Helpers that start late find no work left; the state they touch is shared, so it outlives us.
+// XLA may call us from a thread outside its pool (the host thread runs a program's thunks), so
+// only num_threads - 1 helpers are asked for: one worker per pool thread, not one more. Work is
+// handed out one index at a time, so uneven tasks still balance. Helpers that start late find
+// no work left; the state they touch is shared, so it outlives us.
+int64_t Workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
+
 template <typename F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& fn) {
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(Workers(pool) - 1, n - 1);
   if (helpers <= 0) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
@@ -156,11 +161,12 @@ void MatmulTPanel(const float* __restrict x, const float* __restrict w_t, float*
     }
 }
 
-// Column panels of at least this many outputs per task: narrower ones cost more in scheduling
-// than they save.
+// Column panels of at least this many outputs per task (narrower ones cost more in scheduling
+// than they save), and at most this many tasks per worker (enough to even out the load).
 constexpr int64_t kMinPanel = 128;
+constexpr int64_t kTasksPerWorker = 4;
 
-// Splits the N outputs into one panel per thread (multiples of 16) and runs `panel` on each.
+// Splits the N outputs into panels (multiples of 16) and runs `panel` on each.
 template <typename Panel>
 ffi::Error SmallMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
                        ffi::ResultBuffer<ffi::F32>& y, bool transposed, Panel panel) {
@@ -174,7 +180,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buf
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads() + 1, N / kMinPanel));
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(kTasksPerWorker * Workers(pool), N / kMinPanel));
   const int64_t per = ((N + tasks - 1) / tasks + 15) / 16 * 16;
   ParallelFor(pool, (N + per - 1) / per, [&](int64_t t) {
     panel(xp, wp, yp, M, K, N, t * per, std::min(N, (t + 1) * per));
