@@ -5,7 +5,9 @@ Run: `.venv/bin/python bench/rollout.py [--quick]`.
 1. Decode: 64-token prompts, 128 new tokens (EOS ignored), batch 1 / 8 / 64, greedy and then
    sampled at T=1; tokens/s of `Engine.generate_batch` vs `transformers` `generate` on the same
    weights, interleaved per repeat; the ratio is taken per repeat, then the median (the CPU is
-   shared; research/perf_anchors.md §0). Goal: >= 3x generate at batch 8.
+   shared; research/perf_anchors.md §0). Goal: >= 3x generate at batch 8. A second engine on
+   the same weights runs with `CLEANER_JAX_CPU_KERNELS=off` (XLA's ops only) in the same loop,
+   to show what `models/cpu_kernels.py` adds.
    Then the sampler alone: `sampling.draw_tokens` (inverse CDF) vs `jax.random.categorical`.
 2. Multi-turn prefix reuse: a 4-turn trajectory whose prompts grow by `turn_tokens` each turn
    (previous prompt + the generated token + new observation tokens); the summed cost of its four
@@ -54,9 +56,9 @@ Findings after the sampler, prefill and row-wise matmul changes (2026-11-30, sam
   ~80% is the dots, each a YNNPACK GEMM that packs its weight matrix on every call, so the step
   is bound by per-call weight packing, not FLOPs (67 MFLOP/step) or bandwidth.
 - kept: `layers.matmul` issues a 2-8-row CPU matmul as one matrix-vector product per row.
-  bench/rowwise.py measures it against one GEMM (two runs): an 8-row dot on cold [256, 768]
-  weights 108-165 us as a GEMM, 75-144 us row-wise; B=8 engine decode 1.05-1.08x faster with the
-  tied lm head, 1.09-1.12x untied.
+  bench/rowwise.py (now bench/small_matmul.py) measured it against one GEMM (two runs): an 8-row
+  dot on cold [256, 768] weights 108-165 us as a GEMM, 75-144 us row-wise; B=8 engine decode
+  1.05-1.08x faster with the tied lm head, 1.09-1.12x untied.
   Tried without a gain (one-off scripts, not kept): fused q/k/v and gate/up weights; the
   weight-transposed product W^T x^T; per-group matrix-vector attention (1.01x); elementwise-
   reduce attention (10x slower); XLA flags (xnnpack off, onednn, xnn/ynn fusion types,
@@ -73,21 +75,41 @@ Findings after the sampler, prefill and row-wise matmul changes (2026-11-30, sam
   (1157 vs 517; per-repeat range 1.99-2.94), batch 64 1.58x (2183 vs 1356; 0.98x before);
   sampled T=1: 4.35x, 2.93x (2.08-3.07), 2.01x. Goal >= 3x at batch 8 still NOT met. 4-turn
   prefix reuse 0.87x (goal <= 1.3x: met); HTTP overhead 2.7 ms (target < 5 ms: met).
+
+Findings after the C++ CPU kernels (models/cpu_kernels.py; 2026-11-30, same shape, torch 1
+thread, load ~1):
+- decode attention for one new token reads the cache as it lies and stops at each row's last
+  valid slot; 2-8-row matmuls stream each weight once (a tied lm head is read as stored: an FFI
+  operand would otherwise force a transposed copy of the embedding every step); work is spread
+  over XLA's intra-op pool, one worker per pool thread, panels handed out dynamically. One row
+  keeps XLA's matrix-vector product, which was faster there.
+- a one-off jax.profiler trace of a B=8 step (script not kept): ~3.6 ms, of which ~2.6 ms in the
+  kernels (28 layer matmuls, the lm head at ~0.3-0.5 ms, 4 attentions at ~0.12 ms each) and
+  ~0.15 ms in log-softmax/argmax. The matmuls stream 17 MB of f32 weights per step at ~6-10 GB/s:
+  decode is now bound by memory bandwidth, which neighbours on this shared VM also use, so the
+  engine's speed swings (1300-2100 tok/s at B=8 within the hour) more than HF's per-op overhead.
+- decode engine / HF generate (5 repeats; the XLA-only engine in the same loop): greedy batch 1
+  5.23x (XLA-only 4.02x), batch 8 3.10x (2.12-4.34; XLA-only 2.60x), batch 64 2.00x (1.44x);
+  sampled T=1: 6.12x, 3.10x (2.17-3.51; XLA-only 2.55x), 2.31x. Goal >= 3x at batch 8: met by
+  the median, not by every repeat. 4-turn prefix reuse 0.86x; HTTP overhead 2.5 ms.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from cleaner_jax.models import cpu_kernels
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.request import GenRequest, SamplingParams
 from cleaner_jax.rollout.server import start_server_in_thread
@@ -108,21 +130,39 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, repeats: int, temperature: float) -> None:
+@contextlib.contextmanager
+def cpu_kernels_mode(mode: str) -> Iterator[None]:
+    """`CLEANER_JAX_CPU_KERNELS` for programs traced inside (it is read at trace time)."""
+    saved = os.environ.get(cpu_kernels.ENV_VAR)
+    os.environ[cpu_kernels.ENV_VAR] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_kernels.ENV_VAR, None)
+        else:
+            os.environ[cpu_kernels.ENV_VAR] = saved
+
+
+def bench_decode(engines: dict[str, Engine], hf, vocab: int, batches: list[int], new: int, repeats: int,
+                 temperature: float) -> None:
+    """engines: {"kernels": ..., "xla": ...}, the same checkpoint with and without cpu_kernels."""
     rng = np.random.default_rng(0)
     sp = SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True)
     mode = "greedy" if temperature == 0 else f"sampled at T={temperature}"
     print(f"\n## decode: prompt 64, {new} new tokens, {mode} (tokens/s, median of {repeats})")
-    print("| batch | engine tok/s | HF generate tok/s | engine / HF |")
-    print("|---|---|---|---|")
+    print("| batch | engine tok/s | engine, XLA ops only | HF generate tok/s | engine / HF | XLA-only engine / HF |")
+    print("|---|---|---|---|---|---|")
     for b in batches:
         def prompts():
             return rng.integers(3, vocab, size=(b, 64)).tolist()
 
-        def run_engine() -> float:
+        def run_engine(name: str) -> float:
+            engine = engines[name]
             engine.flush_cache()
             reqs = [GenRequest(tuple(p), sp, f"r{i}") for i, p in enumerate(prompts())]
-            return timed(lambda: engine.generate_batch(reqs))
+            with cpu_kernels_mode("on" if name == "kernels" else "off"):
+                return timed(lambda: engine.generate_batch(reqs))
 
         def run_hf() -> float:
             ids = torch.tensor(prompts())
@@ -132,14 +172,20 @@ def bench_decode(engine: Engine, hf, vocab: int, batches: list[int], new: int, r
                                                  **({"temperature": temperature, "top_p": 1.0, "top_k": 0}
                                                     if temperature > 0 else {})))
 
-        run_engine(), run_hf()  # warm-up (compile)
-        eng_t, hf_t, ratio = [], [], []
+        run_engine("kernels"), run_engine("xla"), run_hf()  # warm-up (compile)
+        t: dict[str, list[float]] = {"kernels": [], "xla": [], "hf": []}
         for _ in range(repeats):
-            e, h = run_engine(), run_hf()
-            eng_t.append(e), hf_t.append(h), ratio.append(h / e)
+            t["kernels"].append(run_engine("kernels"))
+            t["xla"].append(run_engine("xla"))
+            t["hf"].append(run_hf())
         tok = b * new
-        print(f"| {b} | {tok / statistics.median(eng_t):.0f} | {tok / statistics.median(hf_t):.0f} | "
-              f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) |")
+
+        def ratio(name: str) -> str:
+            r = [h / e for h, e in zip(t["hf"], t[name])]  # per repeat, then the median
+            return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
+
+        print(f"| {b} | {tok / statistics.median(t['kernels']):.0f} | {tok / statistics.median(t['xla']):.0f} | "
+              f"{tok / statistics.median(t['hf']):.0f} | {ratio('kernels')} | {ratio('xla')} |")
 
 
 def bench_sampler(batches: list[int], vocabs: list[int], repeats: int) -> None:
@@ -251,6 +297,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 8 64)")
     parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3)")
     args = parser.parse_args()
+    os.environ[cpu_kernels.ENV_VAR] = "on"  # the kernel rows must not silently measure XLA's ops
     shape = dict(MODEL_5M)
     batches, new, repeats, first, turn = [1, 8, 64], 128, 3, 256, 256
     if args.quick:
@@ -263,9 +310,10 @@ def main() -> None:
         vocab = shape.get("vocab_size", 512)
         hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
         engine = Engine(ckpt, max_batch=max(batches), decode_chunk=64)
+        engines = {"kernels": engine, "xla": Engine(ckpt, max_batch=max(batches), decode_chunk=64)}
         print(f"model: {shape or 'tiny test model'}; torch threads {args.torch_threads}")
-        bench_decode(engine, hf, vocab, batches, new, repeats, temperature=0.0)
-        bench_decode(engine, hf, vocab, batches, new, repeats, temperature=1.0)
+        bench_decode(engines, hf, vocab, batches, new, repeats, temperature=0.0)
+        bench_decode(engines, hf, vocab, batches, new, repeats, temperature=1.0)
         bench_sampler(batches, [vocab, 151936], repeats)
         bench_prefix(engine, vocab, first, turn, repeats)
         bench_http(engine, vocab, repeats)
