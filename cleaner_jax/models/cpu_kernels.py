@@ -147,42 +147,32 @@ def _register(path: Path) -> None:
         raise CpuKernelBuildError(f"could not load {path}: {e}; delete it to rebuild") from e
 
 
-@jax.custom_vjp
-def small_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N], float32, for a few rows (call `available()` first)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("cj_small_matmul", out, vmap_method="sequential")(x, w)
+def _ffi_matmul(target: str, transposed: bool):
+    """A differentiable few-row matmul by FFI target `target`; the weight is [K, N], or [N, K]
+    when `transposed`. Gradients are plain XLA dots (the kernels are forward-only)."""
+
+    @jax.custom_vjp
+    def op(x: jax.Array, w: jax.Array) -> jax.Array:
+        n = w.shape[0] if transposed else w.shape[1]
+        out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+
+    def fwd(x, w):
+        return op(x, w), (x, w)
+
+    def bwd(res, g):  # g [M, N]
+        x, w = res
+        return (jnp.dot(g, w), jnp.dot(g.T, x)) if transposed else (jnp.dot(g, w.T), jnp.dot(x.T, g))
+
+    op.defvjp(fwd, bwd)
+    return op
 
 
-def _small_matmul_fwd(x, w):
-    return small_matmul(x, w), (x, w)
+small_matmul = _ffi_matmul("cj_small_matmul", transposed=False)
+"""x [M, K] @ w [K, N] -> [M, N], float32, for a few rows (call `available()` first)."""
 
-
-def _small_matmul_bwd(res, g):
-    x, w = res
-    return jnp.dot(g, w.T), jnp.dot(x.T, g)
-
-
-small_matmul.defvjp(_small_matmul_fwd, _small_matmul_bwd)
-
-
-@jax.custom_vjp
-def small_matmul_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
-    """x [M, K] @ w_t [N, K]^T -> [M, N], float32, for a few rows (call `available()` first)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], w_t.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("cj_small_matmul_t", out, vmap_method="sequential")(x, w_t)
-
-
-def _small_matmul_t_fwd(x, w_t):
-    return small_matmul_t(x, w_t), (x, w_t)
-
-
-def _small_matmul_t_bwd(res, g):
-    x, w_t = res
-    return jnp.dot(g, w_t), jnp.dot(g.T, x)
-
-
-small_matmul_t.defvjp(_small_matmul_t_fwd, _small_matmul_t_bwd)
+small_matmul_t = _ffi_matmul("cj_small_matmul_t", transposed=True)
+"""x [M, K] @ w_t [N, K]^T -> [M, N], float32, for a few rows (call `available()` first)."""
 
 
 def decode_attention(q: jax.Array, k_t: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
