@@ -90,8 +90,11 @@ thread, load ~1):
   engine's speed swings (1300-2100 tok/s at B=8 within the hour) more than HF's per-op overhead.
 - decode engine / HF generate (5 repeats; the XLA-only engine in the same loop): greedy batch 1
   5.23x (XLA-only 4.02x), batch 8 3.10x (2.12-4.34; XLA-only 2.60x), batch 64 2.00x (1.44x);
-  sampled T=1: 6.12x, 3.10x (2.17-3.51; XLA-only 2.55x), 2.31x. Goal >= 3x at batch 8: met by
-  the median, not by every repeat. 4-turn prefix reuse 0.86x; HTTP overhead 2.5 ms.
+  sampled T=1: 6.12x, 3.10x (2.17-3.51; XLA-only 2.55x), 2.31x. 4-turn prefix reuse 0.86x;
+  HTTP overhead 2.5 ms. `--batches 8 --repeats 15` right after: greedy 3.38x (2.66-4.27;
+  XLA-only 2.87x), sampled 3.57x (2.74-4.63; XLA-only 2.94x). An earlier 5-repeat run of the same
+  kernels gave 2.81x / 3.01x. Goal >= 3x at batch 8: met by the median in 2 of those 3 runs and
+  in the longest; single repeats still fall below it when the host is busy.
 """
 from __future__ import annotations
 
