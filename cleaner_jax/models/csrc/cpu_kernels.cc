@@ -1,12 +1,13 @@
-// Single-token (decode) GQA attention for float32 on CPU, called from JAX through XLA FFI.
+// Float32 CPU kernels for few-row decode, called from JAX through XLA FFI: small matmuls (weights
+// stored [K, N], or [N, K] for a tied lm head) and single-token GQA attention.
 //
-// Why it exists: at decode time XLA:CPU runs attention's two dots as batched GEMMs with 2-8 rows
-// (the query heads sharing a KV head), and its small-row GEMM packs the whole right-hand matrix
-// (this row's keys or values) into a scratch layout on every call, over every slot of the cache
-// whether it holds a token yet or not. This kernel reads keys and values once, as they lie in
-// `qwen.KVCache`, and stops at each row's last valid slot. Work is spread over XLA's intra-op
-// thread pool. Built and loaded by cleaner_jax/models/cpu_kernels.py; checked against NumPy in
-// tests/test_cpu_kernels.py and against Hugging Face through the engine's parity tests.
+// Why they exist: at decode time every matmul has one row per sequence, and XLA:CPU runs a dot
+// of a few rows as a GEMM that packs the whole right-hand matrix into a scratch layout on every
+// call; attention's two dots (the query heads sharing a KV head) pay the same, over every cache
+// slot whether it holds a token yet or not. These kernels read weights, keys and values once,
+// as they lie, and attention stops at each row's last valid slot. Work is spread over XLA's
+// intra-op thread pool. Built and loaded by cleaner_jax/models/cpu_kernels.py; checked against
+// NumPy in tests/test_cpu_kernels.py and against Hugging Face through the engine's parity tests.
 
 #include <algorithm>
 #include <atomic>
@@ -35,9 +36,12 @@ namespace {
 // no work left; the state they touch is shared, so it outlives us.
 int64_t Workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
 
+// Below this many multiply-adds in all, waking a pool thread costs more than it saves.
+constexpr int64_t kMinParallelWork = int64_t{1} << 16;
+
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& fn) {
-  const int64_t helpers = std::min<int64_t>(Workers(pool) - 1, n - 1);
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t madds, const F& fn) {
+  const int64_t helpers = madds < kMinParallelWork ? 0 : std::min<int64_t>(Workers(pool) - 1, n - 1);
   if (helpers <= 0) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
@@ -182,7 +186,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buf
   float* yp = y->typed_data();
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(kTasksPerWorker * Workers(pool), N / kMinPanel));
   const int64_t per = ((N + tasks - 1) / tasks + 15) / 16 * 16;
-  ParallelFor(pool, (N + per - 1) / per, [&](int64_t t) {
+  ParallelFor(pool, (N + per - 1) / per, M * K * N, [&](int64_t t) {
     panel(xp, wp, yp, M, K, N, t * per, std::min(N, (t + 1) * per));
   });
   return ffi::Error::Success();
@@ -265,7 +269,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const float* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  ParallelFor(pool, B * KV, [&](int64_t i) {
+  ParallelFor(pool, B * KV, 2 * B * KV * G * hd * S, [&](int64_t i) {
     const int64_t b = i / KV;
     std::vector<float> scores(G * S);
     DecodeAttentionHead(qp + i * G * hd, kp + i * hd * S, vp + i * S * hd, mp + b * S, op + i * G * hd,
