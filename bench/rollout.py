@@ -100,13 +100,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -133,20 +132,6 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-@contextlib.contextmanager
-def cpu_kernels_mode(mode: str) -> Iterator[None]:
-    """`CLEANER_JAX_CPU_KERNELS` for programs traced inside (it is read at trace time)."""
-    saved = os.environ.get(cpu_kernels.ENV_VAR)
-    os.environ[cpu_kernels.ENV_VAR] = mode
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(cpu_kernels.ENV_VAR, None)
-        else:
-            os.environ[cpu_kernels.ENV_VAR] = saved
-
-
 def bench_decode(engines: dict[str, Engine], hf, vocab: int, batches: list[int], new: int, repeats: int,
                  temperature: float) -> None:
     """engines: {"kernels": ..., "xla": ...}, the same checkpoint with and without cpu_kernels."""
@@ -164,7 +149,7 @@ def bench_decode(engines: dict[str, Engine], hf, vocab: int, batches: list[int],
             engine = engines[name]
             engine.flush_cache()
             reqs = [GenRequest(tuple(p), sp, f"r{i}") for i, p in enumerate(prompts())]
-            with cpu_kernels_mode("on" if name == "kernels" else "off"):
+            with cpu_kernels.mode_while_tracing("on" if name == "kernels" else "off"):
                 return timed(lambda: engine.generate_batch(reqs))
 
         def run_hf() -> float:

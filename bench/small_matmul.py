@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -44,17 +43,13 @@ PATHS = ("gemm", "rowwise", "kernels")
 def matmul_path(path: str) -> Iterator[None]:
     """Make `layers.matmul` take `path` for programs traced inside (both knobs are read at trace
     time; runs of already-compiled programs are unaffected, and set it too for safety)."""
-    saved_env, saved_rows = os.environ.get(cpu_kernels.ENV_VAR), layers.ROWWISE_MAX_ROWS
-    os.environ[cpu_kernels.ENV_VAR] = "on" if path == "kernels" else "off"
+    saved_rows = layers.ROWWISE_MAX_ROWS
     layers.ROWWISE_MAX_ROWS = 0 if path == "gemm" else saved_rows
     try:
-        yield
+        with cpu_kernels.mode_while_tracing("on" if path == "kernels" else "off"):
+            yield
     finally:
         layers.ROWWISE_MAX_ROWS = saved_rows
-        if saved_env is None:
-            os.environ.pop(cpu_kernels.ENV_VAR, None)
-        else:
-            os.environ[cpu_kernels.ENV_VAR] = saved_env
 
 
 def bench_dot(repeats: int) -> None:

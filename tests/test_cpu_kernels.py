@@ -4,6 +4,7 @@ dispatch from `layers`, and what happens when they cannot be built. The engine's
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -149,3 +150,16 @@ def test_build_failure_raises_when_on_and_warns_when_auto(monkeypatch, tmp_path,
     monkeypatch.setenv(cpu_kernels.ENV_VAR, "yes")
     with pytest.raises(ValueError, match=cpu_kernels.ENV_VAR):
         cpu_kernels.available()
+
+
+def test_mode_while_tracing_sets_and_restores(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_VAR, "auto")
+    with cpu_kernels.mode_while_tracing("off"):
+        assert cpu_kernels.mode() == "off"
+    assert cpu_kernels.mode() == "auto"
+    monkeypatch.delenv(cpu_kernels.ENV_VAR)
+    with pytest.raises(RuntimeError), cpu_kernels.mode_while_tracing("on"):
+        raise RuntimeError("the block fails")
+    assert cpu_kernels.ENV_VAR not in os.environ, "an unset variable is unset again"
+    with pytest.raises(ValueError, match=cpu_kernels.ENV_VAR), cpu_kernels.mode_while_tracing("yes"):
+        pass

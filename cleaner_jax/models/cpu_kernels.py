@@ -10,7 +10,8 @@ yet or not. These kernels read weights and cache once, as they lie:
 - `decode_attention`: one new token per row, stopping at each row's last valid cache slot.
 
 `layers.matmul`, `layers.matmul_t` and `layers.cached_attention` use them for float32 on CPU;
-`bench/rollout.py --cpu-kernels off` measures the engine without them.
+`bench/rollout.py` runs an engine without them in the same loop, `bench/small_matmul.py`
+compares them with XLA's GEMM and row-wise dots.
 
 The C++ source is compiled on first use against the installed jaxlib's FFI headers (a few
 seconds; `CXX`, default `c++`) with `-march=native`, and cached under
@@ -22,10 +23,11 @@ command and the CPU's feature flags. `CLEANER_JAX_CPU_KERNELS` chooses:
 - `on`: a failed build raises `CpuKernelBuildError`;
 - `off`: never build; XLA's ops only.
 
-GPUs never use them: `layers.cached_attention` checks `jax.default_backend() == "cpu"` first.
+GPUs never use them: `layers` checks `jax.default_backend() == "cpu"` first.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -35,6 +37,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,23 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(MODES)}")
     return value
+
+
+@contextlib.contextmanager
+def mode_while_tracing(value: str) -> Iterator[None]:
+    """`ENV_VAR` set to `value` inside the block, restored after: programs traced inside use that
+    mode (it is read at trace time; already compiled programs keep theirs)."""
+    if value not in MODES:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {', '.join(MODES)}")
+    saved = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = saved
 
 
 def available() -> bool:
