@@ -33,7 +33,7 @@ import torch
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
-from cleaner_jax.testing.tiny import make_tiny_checkpoint, tiny_config
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint, tiny_config
 
 
 @dataclass(frozen=True)

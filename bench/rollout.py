@@ -115,7 +115,7 @@ from cleaner_jax.models import cpu_kernels
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.request import GenRequest, SamplingParams
 from cleaner_jax.rollout.server import start_server_in_thread
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 # ~5M-parameter Qwen3 shape of research/perf_anchors.md §2.0 (q3_5m).
 MODEL_5M = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,

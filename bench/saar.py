@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from cleaner_jax.agent.config import AgentConfig, SaarConfig
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import code_call
 from cleaner_jax.agent.tools import ToolResult
@@ -147,7 +148,7 @@ async def run_part_a(tok: Any, episodes: int) -> None:
 
 async def run_part_b(tok: Any, model_dir: str, episodes: int, bucket: int) -> None:
     from cleaner_jax.models import qwen
-    from cleaner_jax.saar.rescore import ModelRescorer, PrefixCachedRescorer
+    from cleaner_jax.rollout.rescore import ModelRescorer, PrefixCachedRescorer
 
     model = qwen.from_pretrained(model_dir)
     chat = ChatFormat(tok)
@@ -230,7 +231,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from cleaner_jax.testing.tiny import make_tiny_checkpoint
+    from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
     model_dir = str(make_tiny_checkpoint(
         tempfile.mkdtemp(), "qwen3", hidden_size=args.hidden, intermediate_size=4 * args.hidden,

@@ -34,7 +34,7 @@ from rollout import MODEL_5M  # noqa: E402
 from cleaner_jax.models import cpu_kernels, layers  # noqa: E402
 from cleaner_jax.rollout.engine import Engine  # noqa: E402
 from cleaner_jax.rollout.request import GenRequest, SamplingParams  # noqa: E402
-from cleaner_jax.testing.tiny import make_tiny_checkpoint  # noqa: E402
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint  # noqa: E402
 
 PATHS = ("gemm", "rowwise", "kernels")
 

@@ -20,15 +20,14 @@ import numpy as np
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import ToolExecutor
-from cleaner_jax.agent.trajectory import Episode, to_batch
+from cleaner_jax.trajectory import Episode, to_batch
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.rewards.result import RewardResult
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rl.advantages import AdvantageResult, compute_advantages, informative_groups, overlong_penalty
 from cleaner_jax.rollout.client import RolloutServerError
-from cleaner_jax.rollout.protocol import Generate
-from cleaner_jax.saar.rescore import Rescorer
+from cleaner_jax.rollout.protocol import Generate, Rescorer
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     (toy run) written once into the workdir and reused on resume."""
     if not config.model.tiny_init:
         return Path(config.model.path).resolve()
-    from cleaner_jax.testing.tiny import make_tiny_checkpoint
+    from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
     out = workdir / "init_model"
     if not (out / "config.json").exists():

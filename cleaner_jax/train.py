@@ -31,7 +31,7 @@ from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
-from cleaner_jax.data import toy_task
+from cleaner_jax.toy import task as toy_task
 from cleaner_jax.eval.runner import evaluate, write_report
 from cleaner_jax.experience import (Collector, Scored, collect_informative, group_advantages, learner_batch,
                                     shaped_rewards)
@@ -45,7 +45,7 @@ from cleaner_jax.runtime import make_mesh, prepare_model_dir, rollout_backend
 from cleaner_jax.saar.metrics import step_metrics
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.viz.episode_io import write_episodes
-from cleaner_jax.warm_start import warm_start
+from cleaner_jax.toy.warm_start import warm_start
 from cleaner_jax.wiring import (agent_config, eval_benchmarks, eval_sampling, learner_config, train_sampling,
                                 training_problems)
 

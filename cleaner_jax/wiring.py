@@ -7,8 +7,9 @@ from typing import Any
 
 import ml_collections
 
-from cleaner_jax.agent.config import AgentConfig, SaarConfig
-from cleaner_jax.data import toy_task
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.saar.config import SaarConfig
+from cleaner_jax.toy import task as toy_task
 from cleaner_jax.data.problems import BENCHMARKS, Problem, load_agentrl, load_benchmark
 from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig

@@ -1,6 +1,6 @@
 """Record real-SGLang request/response pairs as conformance fixtures for our rollout server.
 
-What it does: builds the tiny checkpoints of `cleaner_jax.testing.tiny.make_tiny_checkpoint`
+What it does: builds the tiny checkpoints of `cleaner_jax.toy.checkpoint.make_tiny_checkpoint`
 (seed 0 served, seed 1 as the weight-update target), starts real SGLang 0.5.23 on CPU from a
 separate venv with the flags that work there (research/sglang.md §1.2 A4/B3), sends a fixed
 sequence of requests (greedy, sampled, stop tokens, batches, n>1, prompt log-probs, prefix-cache
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from cleaner_jax.testing.http import http_call as call
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "tests" / "fixtures" / "sglang" / "conformance.json"

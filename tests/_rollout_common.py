@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from cleaner_jax.testing.http import http_call
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 @functools.cache

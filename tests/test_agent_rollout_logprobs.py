@@ -9,14 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cleaner_jax.agent.config import AgentConfig, SaarConfig
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.models import qwen
-from cleaner_jax.saar.rescore import ModelRescorer, PrefixCachedRescorer
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.rollout.rescore import ModelRescorer, PrefixCachedRescorer
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.tools.sandbox import Sandbox
 
 T = 0.7

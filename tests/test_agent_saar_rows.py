@@ -8,12 +8,13 @@ import tempfile
 
 import pytest
 
-from cleaner_jax.agent.config import AgentConfig, SaarConfig
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.testing.tiny import build_tokenizer
+from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 
 MESSAGES = [{"role": "user", "content": "What is 1+2?"}]

@@ -11,9 +11,9 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
-from cleaner_jax.agent.trajectory import to_batch
+from cleaner_jax.trajectory import to_batch
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
-from cleaner_jax.testing.tiny import build_tokenizer
+from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 
 MESSAGES = [{"role": "user", "content": "Compute a few things."}]

@@ -7,7 +7,7 @@ import pytest
 from cleaner_jax.chat.hermes import ToolCall, call_code, lenient_json_loads, parse_tool_calls
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.chat.tokens import call_start
-from cleaner_jax.testing.tiny import build_tokenizer
+from cleaner_jax.toy.checkpoint import build_tokenizer
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3"])

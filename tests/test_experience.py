@@ -8,10 +8,10 @@ import pytest
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.tools import SandboxExecutor, ToolResult
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.data import toy_task
+from cleaner_jax.toy import task as toy_task
 from cleaner_jax.experience import Collector, collect_informative, group_advantages, learner_batch, shaped_rewards
 from cleaner_jax.rewards.scorer import Scorer
-from cleaner_jax.testing.tiny import build_tokenizer
+from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 
 AGENT = AgentConfig(max_assistant_turns=4, max_user_turns=4, max_prompt_tokens=512, max_response_tokens=384)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import qwen
 from cleaner_jax.testing.decode import greedy_decoder
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2"])

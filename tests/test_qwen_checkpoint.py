@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cleaner_jax.models import qwen
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

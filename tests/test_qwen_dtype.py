@@ -11,7 +11,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import qwen
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

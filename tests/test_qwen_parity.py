@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import qwen
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 CASES = {
     "qwen3_tied": ("qwen3", {}),

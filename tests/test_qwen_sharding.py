@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from cleaner_jax.models import params, qwen, sharding
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2"])

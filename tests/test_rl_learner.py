@@ -10,7 +10,7 @@ import torch
 
 from cleaner_jax.models import qwen, sharding
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig, lr_schedule
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 B, T = 8, 24
 

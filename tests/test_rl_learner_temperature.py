@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner, LearnerConfig
-from cleaner_jax.testing.tiny import make_tiny_checkpoint
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
 def test_logprobs_follow_the_requested_temperature(tmp_path):

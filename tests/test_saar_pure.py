@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cleaner_jax.agent.trajectory import RawTrajectory, Segment
+from cleaner_jax.trajectory import RawTrajectory, Segment
 from cleaner_jax.saar.purify import purify
 from cleaner_jax.saar.rules import failure_label, give_up_text, is_failure, saar_drawn_on
 from cleaner_jax.saar.similarity import call_similarity

@@ -9,8 +9,8 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.data import toy_task
-from cleaner_jax.testing.tiny import build_tokenizer
+from cleaner_jax.toy import task as toy_task
+from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.viz.episode_io import read_episodes, write_episodes
 from cleaner_jax.viz.trajectory_html import render_episodes

@@ -25,7 +25,7 @@ from typing import Any
 
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.tools import ToolExecutor, ToolResult, invoke_call
-from cleaner_jax.agent.trajectory import (
+from cleaner_jax.trajectory import (
     Episode,
     RawTrajectory,
     SaarEvent,
@@ -36,9 +36,8 @@ from cleaner_jax.agent.trajectory import (
 from cleaner_jax.chat.hermes import ToolCall, parse_tool_calls
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.chat.tokens import call_start
-from cleaner_jax.rollout.protocol import Generate
+from cleaner_jax.rollout.protocol import Generate, Rescorer
 from cleaner_jax.saar.purify import purify
-from cleaner_jax.saar.rescore import Rescorer
 from cleaner_jax.saar.rules import give_up_text, saar_drawn_on
 from cleaner_jax.saar.similarity import call_similarity
 from cleaner_jax.saar.splice import decide, splice

@@ -43,3 +43,15 @@ class Generate(Protocol):
     """`await generate(input_ids, sampling)` → one completion of `input_ids`."""
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput: ...
+
+
+class Rescorer(Protocol):
+    """`await rescorer.score(input_ids, start, temperature)` -> for i in [start, len(input_ids)),
+    log_softmax(logits_{i-1} / temperature)[input_ids[i]]: SGLang's `logprob_start_len`
+    semantics without top-p/top-k truncation (the convention of `GenOutput.output_logprobs`).
+
+    Used by SAAR's rollout log-prob mode to re-score spliced tokens in the purified context.
+    The SGLang client (routed to the server holding the prefix) and the in-process rescorers of
+    `rollout.rescore` satisfy it."""
+
+    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]: ...

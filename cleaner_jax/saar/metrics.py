@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cleaner_jax.agent.trajectory import Episode
+from cleaner_jax.trajectory import Episode
 
 
 def _ratio(num: float, den: float) -> float:

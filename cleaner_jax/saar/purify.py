@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cleaner_jax.agent.trajectory import RawTrajectory, Segment, SegmentSpan, Trajectory
+from cleaner_jax.trajectory import RawTrajectory, Segment, SegmentSpan, Trajectory
 from cleaner_jax.saar.splice import splice
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cleaner_jax.agent.trajectory import Episode, RawTrajectory, SaarEvent, Segment, ToolStats
+from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, Segment, ToolStats
 from cleaner_jax.saar.purify import purify
 
 

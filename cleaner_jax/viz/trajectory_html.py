@@ -11,7 +11,7 @@ import html
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cleaner_jax.agent.trajectory import Episode
+from cleaner_jax.trajectory import Episode
 
 Decode = Callable[[Sequence[int]], str]
 

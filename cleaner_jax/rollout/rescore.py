@@ -1,4 +1,4 @@
-"""Re-scoring spliced tokens in the purified context (`saar.logprob_mode = "rollout"`).
+"""Model-running rescorers (the `rollout.protocol.Rescorer` interface) for re-scoring spliced tokens in the purified context (`saar.logprob_mode = "rollout"`).
 
 Tokens SAAR splices in were sampled conditioned on the failed attempt and its error message
 (research/open_cleaner.md §3, §9.1); their sampled log-probs do not describe the purified
@@ -13,15 +13,11 @@ semantics without top-p/top-k truncation (the same convention as `GenOutput.outp
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-class Rescorer(Protocol):
-    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]: ...
 
 
 def _check(input_ids: list[int], start: int, temperature: float) -> None:

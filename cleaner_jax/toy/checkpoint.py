@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from safetensors.numpy import save_file
 
-from cleaner_jax.testing.chat_templates import QWEN2_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
+from cleaner_jax.chat.qwen_templates import QWEN2_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
 
 Family = Literal["qwen2", "qwen3"]
 

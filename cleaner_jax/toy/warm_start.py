@@ -20,9 +20,9 @@ from tqdm import tqdm
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import ToolExecutor
-from cleaner_jax.agent.trajectory import to_batch
+from cleaner_jax.trajectory import to_batch
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.data import toy_task
+from cleaner_jax.toy import task as toy_task
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
