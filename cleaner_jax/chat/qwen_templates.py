@@ -1,9 +1,13 @@
-"""Qwen-style chat templates for the tiny fixture tokenizers.
+"""Qwen-style chat templates for the tiny toy tokenizers (`cleaner_jax.toy.checkpoint`).
 
-They render the same token layout as the public Qwen2.5 / Qwen3-Instruct-2507 templates
-(ChatML with a `# Tools` system section, hermes `<tool_call>` blocks and tool results wrapped
-in `<tool_response>` inside a `user` turn), which is what the agent loop and SAAR depend on.
-Qwen2.5 adds a default system prompt when none is given; Qwen3 does not.
+They render the same text as the public Qwen2.5-7B-Instruct / Qwen3-4B-Instruct-2507 templates
+for the conversations the project produces (ChatML with a `# Tools` system section, hermes
+`<tool_call>` blocks, tool results wrapped in `<tool_response>` inside a `user` turn), which is
+what the agent loop and SAAR depend on; tests/test_chat_real_templates.py renders both against
+copies of the real templates. Qwen2.5 adds a default system prompt when none is given; Qwen3
+does not. The two families differ in one more place: Qwen2.5 always JSON-encodes a tool call's
+`arguments`, so arguments given as a string come out quoted a second time; Qwen3 writes a
+string as it is. Not modelled: the real templates' handling of non-string message content.
 """
 
 _TOOLS_HEADER = (
@@ -16,7 +20,7 @@ _TOOLS_FOOTER = (
     '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
 )
 
-_BODY = """
+_BODY_TEMPLATE = """
 {%- for message in messages %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
@@ -32,11 +36,7 @@ _BODY = """
             {{- '\\n<tool_call>\\n{"name": "' }}
             {{- tool_call.name }}
             {{- '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments }}
-            {%- else %}
-                {{- tool_call.arguments | tojson }}
-            {%- endif %}
+            ARGUMENTS
             {{- '}\\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\\n' }}
@@ -81,5 +81,12 @@ def _header(default_system: str | None) -> str:
 
 QWEN2_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
-QWEN2_CHAT_TEMPLATE = _header(QWEN2_DEFAULT_SYSTEM) + _BODY
-QWEN3_CHAT_TEMPLATE = _header(None) + _BODY
+# How each family writes a tool call's `arguments` (see the module docstring).
+_QWEN2_ARGUMENTS = "{{- tool_call.arguments | tojson }}"
+_QWEN3_ARGUMENTS = (
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+)
+
+QWEN2_CHAT_TEMPLATE = _header(QWEN2_DEFAULT_SYSTEM) + _BODY_TEMPLATE.replace("ARGUMENTS", _QWEN2_ARGUMENTS)
+QWEN3_CHAT_TEMPLATE = _header(None) + _BODY_TEMPLATE.replace("ARGUMENTS", _QWEN3_ARGUMENTS)
