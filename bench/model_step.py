@@ -8,43 +8,7 @@ after warm-up and medians are reported, because the CPU is shared and timings dr
 `--threads 1` runs both frameworks single-threaded and is the fair, steady comparison on a
 shared CPU: process CPU time then measures work done, whatever the other tenants do.
 
-Findings (2-core AMD EPYC VM, load average 5-14 from other agents; 5M-param Qwen3-shaped model,
-vocab 4096, hidden 256, 5 layers, B=8, T=256, f32; medians of 5 interleaved runs)
------------------------------------------------------------------------------------------------
-Why JAX fwd+bwd was ~1.4x slower (single-threaded CPU-time ablations of the loss):
-* Not the embedding scatter (0.01 s) nor the LM head + cross-entropy (0.38 s, same speed as torch).
-* 3-D activations: `x[B,T,H] @ W` and its backward (contracting over B and T for dW) ran 1.6x
-  slower than the same dots on `x[B*T,H]` (MLP fwd+bwd 0.35 s vs 0.18-0.22 s; torch 0.14-0.22 s).
-  A single forward matmul is equally fast in XLA and torch (0.014 s), so it is the dot layouts
-  of the backward, not the GEMM kernel. Fix: the residual stream is kept 2-D `[B*T, H]`.
-* Attention: grouped einsum `btkgh,bskh->bkgts` was slow (0.128 s fwd+bwd per layer vs 0.054 s
-  for torch SDPA). Folding the G query heads of a group into the row axis (`[B,KV,G*T,hd]`,
-  one big matmul per kv head) gives 0.078 s; `jax.nn.dot_product_attention(impl='xla')` 0.130 s;
-  `jnp.repeat` of kv heads 0.081 s. Kept the folded form. The remaining gap is torch's causal
-  flash kernel, which skips the upper triangle (half the work); not pursued on CPU.
-* RoPE and RMSNorm elementwise work: ~0.2 s each of ~2.3 s; left as is.
-* Fusing gate/up (or q/k/v) into one matmul: no measurable gain (0.20-0.23 s either way).
-* XLA flags (micro MLP): --xla_cpu_use_thunk_runtime=false (now ignored, "no longer supported"),
-  --xla_cpu_use_xnnpack=true, --xla_cpu_use_onednn=true: all within noise or slower.
-
-Results after the fixes (whole model; torch in a child process, which matters: in-process
-next to JAX, single-threaded torch measured 1.93-2.13 s cpu instead of 1.49 s):
-* --threads 1: fwd+bwd jax 2.05-2.2 s cpu vs torch 1.49 s -> jax at 0.73-0.76x torch, i.e.
-  torch still ~1.35x faster (JAX before the fixes: 2.9-3.4 s cpu for the same step, so the
-  fixes cut ~30%). Greedy decode (static cache, one jitted scan): jax 1.05-1.1x `generate`.
-* default threads (2 each) on the loaded box: jax 2.9x faster in wall time, because torch's
-  OpenMP threads degrade badly under contention (torch 5.9 s cpu per step vs 1.5 s
-  single-threaded, also in its own process); greedy decode 9-13x. These ratios reflect
-  contention, not kernels (env.md, idle box, 2 threads: torch 0.52 s, old JAX 0.74-0.80 s).
-  Absolute times here are inflated by the other tenants even in CPU time; compare ratios
-  from the same run only.
-* --dtype bfloat16 --threads 1: jax 2.02 s cpu, no gain over f32 on this CPU; torch bf16
-  23.4 s cpu in its own process (16x its f32 time; env.md saw torch gain 1.7x from bf16 with 2
-  threads on an idle box, so single-threaded torch bf16 hits a slow path - not a JAX win).
-* --remat dots --threads 1: jax 2.44 s cpu vs 2.20-2.36 s without remat in the same kind of
-  run (+5-10% recompute); remat is for memory, never for speed.
-Not tried / open: causal block skipping or a flash-style blocked attention for training on CPU
-(torch's SDPA skips the masked half; most of the remaining gap); a layer scan (would cut compile time for deep models, not step time).
+Measured numbers, with dates and machines, are in bench/RESULTS.md.
 """
 from __future__ import annotations
 

@@ -26,10 +26,11 @@ def checkpoint(seed: int = 0) -> Path:
 
 
 @functools.cache
-def engine():
+def engine(decode_backend: str = "auto"):
+    """The shared engine on checkpoint(0); "auto" is the default every other test uses."""
     from cleaner_jax.rollout.engine import Engine
 
-    return Engine(checkpoint(0), max_batch=8, decode_chunk=16)
+    return Engine(checkpoint(0), max_batch=8, decode_chunk=16, decode_backend=decode_backend)
 
 
 @functools.cache

@@ -83,20 +83,17 @@ def test_hidden_states_and_lm_head_kernel_give_logits(case):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
-def test_rowwise_matmul_matches_numpy(rows, monkeypatch):
-    """Without the C++ kernels (tests/test_cpu_kernels.py), `layers.matmul` and `matmul_t` go row
-    by row up to ROWWISE_MAX_ROWS on CPU and use one GEMM above; either way they are x @ w."""
+def test_xla_ops_match_numpy(rows):
+    """The model's default ops (models/ops.py): plain x @ w and x @ w_t^T for any row count."""
     import jax
 
-    from cleaner_jax.models import cpu_kernels, layers
+    from cleaner_jax.models.ops import XLA
 
-    monkeypatch.setenv(cpu_kernels.ENV_VAR, "off")
     rng = np.random.default_rng(rows)
     x, w = rng.normal(size=(rows, 48)).astype(np.float32), rng.normal(size=(48, 40)).astype(np.float32)
     want = x.astype(np.float64) @ w.astype(np.float64)
-    for fn, weight in ((layers.matmul, w), (layers.matmul_t, np.ascontiguousarray(w.T))):
-        # a fresh lambda per trace: JAX caches traces per function, and the mode is read at trace time
-        got = np.asarray(jax.jit(lambda a, b: fn(a, b))(jnp.asarray(x), jnp.asarray(weight)))
+    for fn, weight in ((XLA.dense, w), (XLA.dense_t, np.ascontiguousarray(w.T))):
+        got = np.asarray(jax.jit(fn)(jnp.asarray(x), jnp.asarray(weight)))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-        dots = [e for e in jax.make_jaxpr(lambda a, b: fn(a, b))(x, weight).eqns if e.primitive.name == "dot_general"]
-        assert len(dots) == (rows if 1 < rows <= layers.ROWWISE_MAX_ROWS else 1)
+        dots = [e for e in jax.make_jaxpr(fn)(x, weight).eqns if e.primitive.name == "dot_general"]
+        assert len(dots) == 1, "one plain dot, no dispatch"

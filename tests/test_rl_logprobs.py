@@ -90,3 +90,29 @@ def test_bad_temperature():
     h, w, y = _inputs()
     with pytest.raises(ValueError, match="temperature"):
         logprobs_from_hidden(h, w, y, temperature=0.0)
+
+
+def test_token_logprobs_from_logits_is_position_aligned_with_per_row_temperature():
+    """out[b, t] = log_softmax(logits[b, t-1] / T_b)[ids[b, t]] (NumPy, float64); column 0 is 0.
+    Moved from the rollout sampler's shifted `next_token_logprobs`, which this replaces."""
+    from cleaner_jax.rl.logprobs import token_logprobs_from_logits
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(2, 5, 9)).astype(np.float32)
+    ids = np.array([[3, 1, 4, 1, 5], [2, 7, 1, 8, 2]], np.int32)
+    temps = np.array([2.0, 0.5], np.float32)
+    got = np.asarray(token_logprobs_from_logits(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(temps)))
+    assert got.shape == (2, 5)
+    np.testing.assert_array_equal(got[:, 0], 0.0)
+    for b in range(2):
+        for t in range(1, 5):
+            z = logits[b, t - 1].astype(np.float64) / temps[b]
+            want = z[ids[b, t]] - (np.log(np.exp(z - z.max()).sum()) + z.max())
+            np.testing.assert_allclose(got[b, t], want, atol=1e-5)
+    # A scalar temperature is the same as one per row, and the learner's chunked path from hidden
+    # states computes the same numbers.
+    scalar = np.asarray(token_logprobs_from_logits(jnp.asarray(logits), jnp.asarray(ids), 0.5))
+    np.testing.assert_allclose(scalar[1], got[1], atol=1e-6)
+    h, w, y = _inputs()
+    from_hidden, _ = token_logprobs(h, w, y, temperature=0.7, chunk_size=5)
+    np.testing.assert_allclose(token_logprobs_from_logits(h @ w, y, 0.7), from_hidden, rtol=1e-5, atol=1e-5)

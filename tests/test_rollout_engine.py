@@ -145,3 +145,79 @@ def test_abort_returns_partial_output():
     finally:
         gen.close()
     assert res.finish_type == "abort" and len(res.output_ids) < 40
+
+
+# ------------------------------------------------------------------ decode backends
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu_kernels"])
+def test_decode_backends_match_transformers(backend):
+    """Both backends against the same HF reference: greedy tokens and log-probs of a ragged batch,
+    and the tempered log-probs of seeded sampled rows."""
+    eng = engine(backend)
+    assert eng.decode_backend.name == backend
+    eng.flush_cache()
+    batch = eng.generate_batch([GenRequest(tuple(p), greedy(12), f"b{i}") for i, p in enumerate(PROMPTS)])
+    for p, res in zip(PROMPTS, batch):
+        assert res.output_ids == hf_greedy(p, 12)
+        np.testing.assert_allclose(res.output_logprobs, hf_logprobs(p + res.output_ids, 0.0)[len(p) - 1:], atol=1e-4)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, ignore_eos=True, sampling_seed=3)
+    sampled = eng.generate_batch([GenRequest(tuple(p), sp, f"s{i}") for i, p in enumerate(PROMPTS)])
+    for p, res in zip(PROMPTS, sampled):
+        np.testing.assert_allclose(res.output_logprobs, hf_logprobs(p + res.output_ids, 0.8)[len(p) - 1:], atol=1e-4)
+
+
+def test_decode_backend_is_what_the_model_step_runs():
+    """The kernel backend's decode step calls the attention kernel once per layer and nothing else
+    of ours (its matmuls are XLA's); a prefill step, the XLA backend and the model's default call
+    none (the backend reaches the model only as its `ops` argument)."""
+    import jax
+    import jax.numpy as jnp
+
+    from cleaner_jax.models import qwen
+
+    model = qwen.from_pretrained(checkpoint(0))
+    cache = qwen.init_cache(model.config, 4, 32)
+    ids = jnp.ones((4, 1), jnp.int32)
+
+    def jaxpr(ops, ids=ids) -> str:
+        kw = {} if ops is None else {"ops": ops}
+        return str(jax.make_jaxpr(lambda i, c: model(i, cache=c, **kw))(ids, cache))
+
+    kernels = engine("cpu_kernels").decode_backend
+    layers = model.config.num_hidden_layers
+    step = jaxpr(kernels)
+    assert step.count("cj_decode_attention") == step.count("cj_") == layers
+    assert jaxpr(kernels, jnp.ones((4, 3), jnp.int32)).count("cj_") == 0  # prefill: T > 1 stays XLA's
+    assert jaxpr(engine("xla").decode_backend).count("cj_") == 0
+    assert jaxpr(None).count("cj_") == 0
+
+
+def test_auto_backend_without_a_compiler_warns_once_and_generates(tmp_path, caplog):
+    import logging
+
+    from cleaner_jax.models.ops import XLA
+    from cleaner_jax.rollout import decode_backend
+    from cleaner_jax.rollout.engine import Engine
+
+    bad = str(tmp_path / "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=decode_backend.__name__):
+        ops = decode_backend.resolve("auto", compute_dtype="float32", compiler=bad, cache_dir=tmp_path)
+        decode_backend.resolve("auto", compute_dtype="float32", compiler=bad, cache_dir=tmp_path)
+    assert ops is XLA
+    assert len([r for r in caplog.records if "no-such-compiler" in r.getMessage()]) == 1
+    eng = Engine(checkpoint(0), max_batch=8, decode_chunk=16, decode_backend=ops)
+    assert eng.decode_backend is XLA
+    res = eng.generate_batch([GenRequest(tuple(PROMPTS[0]), greedy(12), "auto")])[0]
+    assert res.output_ids == hf_greedy(PROMPTS[0], 12)
+
+
+def test_engine_rejects_a_decode_backend_that_cannot_apply():
+    from cleaner_jax.rollout.engine import Engine
+
+    with pytest.raises(ValueError, match=r"decode_backend='cpu_kernels' needs .*'bfloat16'"):
+        Engine(checkpoint(0), dtype="bfloat16", decode_backend="cpu_kernels")
+    with pytest.raises(ValueError, match=r"decode_backend='gpu'"):
+        Engine(checkpoint(0), decode_backend="gpu")
+    with pytest.raises(TypeError, match="decode_backend"):
+        Engine(checkpoint(0), decode_backend=None)

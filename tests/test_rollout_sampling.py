@@ -69,14 +69,6 @@ def test_sampled_frequencies_follow_truncated_distribution():
     np.testing.assert_allclose(counts[:2], [4 / 7, 3 / 7], atol=0.04)
 
 
-def test_next_token_logprobs_shift():
-    logits = np.random.default_rng(2).normal(size=(1, 5, 9)).astype(np.float32)
-    ids = np.array([[3, 1, 4, 1, 5]], np.int32)
-    got = np.asarray(sampling.next_token_logprobs(jnp.asarray(logits), jnp.asarray(ids), jnp.array([2.0])))
-    for t in range(4):
-        np.testing.assert_allclose(got[0, t], np_log_softmax(logits[0, t] / 2.0)[ids[0, t + 1]], atol=1e-5)
-
-
 def test_inverse_cdf_index_matches_numpy_searchsorted_across_blocks():
     """The blocked inverse CDF picks what a float64 NumPy searchsorted picks, including zero-mass
     tokens at block edges, an all-zero block and targets at both ends of [0, 1)."""

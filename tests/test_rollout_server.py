@@ -194,7 +194,8 @@ def test_pause_aborts_then_holds_requests_until_continue(server):
     running.start()
     while server.state.scheduler.num_pending == 0:
         time.sleep(0.005)
-    time.sleep(0.1)
+    # Pause at once: queued or running, the request must come back aborted (a 1000-token greedy
+    # run of the tiny model can finish within a fixed sleep).
     status, out = call(server.url, "POST", "/pause_generation", {"mode": "abort"})
     assert status == 200 and out == {"message": "Generation paused successfully.", "status": "ok"}
     running.join(60)

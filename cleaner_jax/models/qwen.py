@@ -5,6 +5,10 @@ Qwen2 and Qwen3 differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm bef
 (`layers[i].self_attn.q_proj.kernel` <-> `model.layers.i.self_attn.q_proj.weight`), which
 keeps the name table in `params.py` obvious. Linear kernels are stored `[in, out]`.
 
+Every projection, the LM head and attention run through an `ops` argument (`models/ops.py`),
+plain XLA einsums by default; the rollout engine passes its decode backend there. The model
+itself has one code path for every device.
+
 Dtype policy: parameters are stored in `config.param_dtype`, activations run in
 `config.compute_dtype`, attention softmax, RMSNorm statistics and logits are float32.
 
@@ -24,8 +28,9 @@ from flax import nnx
 
 from cleaner_jax.models import layers
 from cleaner_jax.models.config import QwenConfig
+from cleaner_jax.models.ops import XLA, Ops
 
-__all__ = ["QwenConfig", "KVCache", "init_cache", "Qwen", "logits_from_hidden", "from_pretrained", "save_pretrained"]
+__all__ = ["QwenConfig", "KVCache", "init_cache", "Qwen", "Ops", "logits_from_hidden", "from_pretrained", "save_pretrained"]
 
 _INIT = nnx.initializers.normal(0.02)
 _REMAT_POLICIES = {
@@ -39,35 +44,31 @@ _REMAT_POLICIES = {
 class KVCache:
     """Static-shape KV cache. Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1.
 
-    One array per layer, keys stored transposed. Both choices keep a cached decode step from
-    copying the cache (bench/rollout.py findings): a layer slice of one stacked [L, ...] array
-    is a full copy on XLA CPU, and keys stored [S, hd] made the q.k^T matmul transpose every
-    layer's keys each step. Now a step updates each buffer in place and both attention matmuls
-    read it as it lies: scores = q [G*T, hd] @ k [hd, S], out = probs [G*T, S] @ v [S, hd].
+    One array per layer rather than one stacked [L, ...] array: a step then updates each buffer
+    in place, where slicing a layer out of a stacked array is a copy of it on XLA:CPU.
     """
 
-    k: tuple[jax.Array, ...]  # L x [B, KV, hd, S] (keys transposed)
+    k: tuple[jax.Array, ...]  # L x [B, KV, S, hd]
     v: tuple[jax.Array, ...]  # L x [B, KV, S, hd]
     lengths: jax.Array  # [B] int32
 
     @property
     def max_len(self) -> int:
-        return self.v[0].shape[2]
+        return self.k[0].shape[2]
 
 
 def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
     """An empty cache; `dtype` defaults to the compute dtype."""
-    b, kv, hd, n = batch, config.num_key_value_heads, config.head_dim, config.num_hidden_layers
+    shape = (batch, config.num_key_value_heads, max_len, config.head_dim)  # [B, KV, S, hd]
     dtype = dtype or config.compute_dtype
-    k = tuple(jnp.zeros((b, kv, hd, max_len), dtype) for _ in range(n))
-    v = tuple(jnp.zeros((b, kv, max_len, hd), dtype) for _ in range(n))
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
     return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
 
 
 def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
     """h [..., H] @ kernel [H, V] in float32: how `Qwen.__call__` turns hidden states into logits."""
-    flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # 2-D dots are faster on XLA CPU (bench/model_step.py)
-    return layers.matmul(flat, kernel.astype(jnp.float32)).reshape(*h.shape[:-1], kernel.shape[-1])
+    return jnp.einsum("...h,hv->...v", h.astype(jnp.float32), kernel.astype(jnp.float32))
 
 
 class RMSNorm(nnx.Module):
@@ -79,21 +80,28 @@ class RMSNorm(nnx.Module):
         return layers.rms_norm(x, self.weight[...], self.eps)
 
 
-def _linear(cfg: QwenConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        d_in, d_out, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, kernel_init=_INIT,
-        dot_general=layers.linear_dot_general, rngs=rngs,
-    )
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), kernel stored [in, out] (the `nnx.Linear` layout and names), run
+    by `ops.dense` in the compute dtype."""
+
+    def __init__(self, cfg: QwenConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_INIT(rngs.params(), (d_in, d_out), cfg.param_dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), cfg.param_dtype)) if bias else None
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x: jax.Array, ops: Ops) -> jax.Array:  # x [N, in] -> [N, out]
+        y = ops.dense(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = _linear(cfg, h, nh * hd, cfg.attention_bias, rngs)
-        self.k_proj = _linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
-        self.v_proj = _linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
-        self.o_proj = _linear(cfg, nh * hd, h, cfg.o_proj_bias, rngs)
+        self.q_proj = Linear(cfg, h, nh * hd, cfg.attention_bias, rngs)
+        self.k_proj = Linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
+        self.v_proj = Linear(cfg, h, nkv * hd, cfg.attention_bias, rngs)
+        self.o_proj = Linear(cfg, nh * hd, h, cfg.o_proj_bias, rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.param_dtype)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.param_dtype)
@@ -105,42 +113,39 @@ class Attention(nnx.Module):
         cos: jax.Array,  # [B, T, hd]
         sin: jax.Array,
         mask: jax.Array,  # [B, T, S] bool
-        kv: tuple[jax.Array, jax.Array] | None,  # this layer's cache: k [B, KV, hd, S], v [B, KV, S, hd]
+        kv: tuple[jax.Array, jax.Array] | None,  # this layer's cache: k, v [B, KV, S, hd]
         slots: jax.Array | None,  # [B, T] cache slots of the new tokens
+        ops: Ops,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         cfg = self.cfg
         b, t = shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = self.q_proj(x, ops).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # [B, T, N, hd]
+        k = self.k_proj(x, ops).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, KV, hd]
+        v = self.v_proj(x, ops).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
         if kv is None:
-            out = layers.attention(q, k, v, mask, cfg.attention_impl)  # [B, T, N, hd]
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
         else:
-            k_cache, v_cache = kv
             rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-            # Index arrays split by slices put their [B, T] axes first, so both updates are laid
+            # Index arrays split by a slice put their [B, T] axes first, so the update is laid
             # out [B, T, KV, hd] like k and v. Out-of-range slots (past max_len) are dropped:
             # size the cache for prompt + new tokens.
-            k_cache = k_cache.at[rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows, :, slots].set(v.astype(v_cache.dtype), mode="drop")
-            kv = (k_cache, v_cache)
-            out = layers.cached_attention(
-                q, k_cache.astype(x.dtype), v_cache.astype(x.dtype), mask, cfg.attention_impl
-            )  # [B, T, N, hd]
-        return self.o_proj(out.reshape(b * t, -1)), kv
+            kv = tuple(c.at[rows, :, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
+            keys, values = kv[0].astype(x.dtype), kv[1].astype(x.dtype)  # [B, KV, S, hd]
+        out = ops.attention(q, keys, values, mask, cfg.attention_impl)  # [B, T, N, hd]
+        return self.o_proj(out.reshape(b * t, -1), ops), kv
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: QwenConfig, rngs: nnx.Rngs):
-        self.gate_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
-        self.up_proj = _linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
-        self.down_proj = _linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, rngs)
+        self.gate_proj = Linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+        self.up_proj = Linear(cfg, cfg.hidden_size, cfg.intermediate_size, False, rngs)
+        self.down_proj = Linear(cfg, cfg.intermediate_size, cfg.hidden_size, False, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, ops: Ops) -> jax.Array:  # x [B*T, H]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, ops)) * self.up_proj(x, ops), ops)
 
 
 class DecoderLayer(nnx.Module):
@@ -150,11 +155,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, shape, cos, sin, mask, kv, slots):
-        """x: the residual stream flattened to [B*T, H] (2-D dots are faster on XLA CPU)."""
-        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, slots)
+    def __call__(self, x, shape, cos, sin, mask, kv, slots, ops: Ops):
+        """x: the residual stream as [B*T, H] (2-D activations keep the backward's weight
+        gradients plain [H, B*T] x [B*T, F] matmuls)."""
+        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, slots, ops)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x), ops), kv
 
 
 class Qwen(nnx.Module):
@@ -169,7 +175,7 @@ class Qwen(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+            self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
 
     def lm_head_kernel(self) -> jax.Array:
         """[H, V] (the transposed embedding when tied): logits = logits_from_hidden(h, kernel)."""
@@ -177,17 +183,15 @@ class Qwen(nnx.Module):
             return self.embed_tokens.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """h [..., H] -> float32 logits [..., V], equal to `logits_from_hidden(h, lm_head_kernel())`.
-
-        A tied head multiplies by the embedding as stored ([V, H]), so that the few-row CPU
-        decode kernel reads it in place rather than XLA copying its transpose every step.
-        """
-        if not self.config.tie_word_embeddings:
-            return logits_from_hidden(h, self.lm_head.kernel[...])
-        flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # [B*T, H]
-        embedding = self.embed_tokens.embedding[...].astype(jnp.float32)  # [V, H]
-        return layers.matmul_t(flat, embedding).reshape(*h.shape[:-1], embedding.shape[0])
+    def logits(self, h: jax.Array, ops: Ops = XLA) -> jax.Array:
+        """h [..., H] -> float32 logits [..., V], equal to `logits_from_hidden(h, lm_head_kernel())`;
+        a tied head multiplies by the embedding [V, H] as stored (no transposed copy)."""
+        flat = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # [N, H]
+        if self.config.tie_word_embeddings:
+            logits = ops.dense_t(flat, self.embed_tokens.embedding[...].astype(jnp.float32))  # [N, V]
+        else:
+            logits = ops.dense(flat, self.lm_head.kernel[...].astype(jnp.float32))  # [N, V]
+        return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
     def __call__(
         self,
@@ -196,16 +200,18 @@ class Qwen(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = pad
         cache: KVCache | None = None,
+        ops: Ops = XLA,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Logits [B, T, V] float32, or (logits, new_cache) when a cache is given.
 
         With a cache, the T new tokens go to slots lengths[b] .. lengths[b]+T-1 and attend
         causally to every earlier slot of their row; padding must then be on the right, and
         `new_cache.lengths = lengths + attention_mask.sum(-1)` (or + T without a mask).
+        `ops` runs the projections, LM head and attention (`models/ops.py`; default plain XLA).
         """
-        out = self.hidden_states(input_ids, positions, attention_mask=attention_mask, cache=cache)
+        out = self.hidden_states(input_ids, positions, attention_mask=attention_mask, cache=cache, ops=ops)
         h, new_cache = out if cache is not None else (out, None)
-        logits = self.logits(h)
+        logits = self.logits(h, ops)
         return logits if cache is None else (logits, new_cache)
 
     def hidden_states(
@@ -215,6 +221,7 @@ class Qwen(nnx.Module):
         *,
         attention_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        ops: Ops = XLA,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Like `__call__` but returns final-normed hidden states [B, T, H] in the compute dtype."""
         cfg = self.config
@@ -222,19 +229,20 @@ class Qwen(nnx.Module):
         if cache is None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            mask = layers.causal_mask(attention_mask, b, t)
+            mask = layers.causal_mask(attention_mask, b, t)  # [B, T, T]
             slots = None
         else:
             slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
             if positions is None:
                 positions = slots
-            mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)
+            mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)  # [B, T, S]
         x = self.embed_tokens(input_ids).reshape(b * t, cfg.hidden_size)  # [B*T, H]
         cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        run = self._layer_fn((b, t), ops)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = self._layer_fn((b, t))(layer, x, cos, sin, mask, kv, slots)
+            x, kv = run(layer, x, cos, sin, mask, kv, slots)
             if kv is not None:
                 new_k.append(kv[0])
                 new_v.append(kv[1])
@@ -244,9 +252,9 @@ class Qwen(nnx.Module):
         added = t if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
         return h, KVCache(tuple(new_k), tuple(new_v), cache.lengths + added)
 
-    def _layer_fn(self, shape: tuple[int, int]):
+    def _layer_fn(self, shape: tuple[int, int], ops: Ops):
         def run(layer: DecoderLayer, x, cos, sin, mask, kv, slots):
-            return layer(x, shape, cos, sin, mask, kv, slots)
+            return layer(x, shape, cos, sin, mask, kv, slots, ops)
 
         if self.config.remat == "none":
             return run

@@ -38,8 +38,8 @@ _RULES: dict[tuple[str, str], P] = {
     ("norm", "weight"): P(),
 }
 
-BATCH_SPEC = P(FSDP, None)  # [B, T] token arrays
-KV_CACHE_SPEC = P(None, FSDP, None, TP, None)  # [L, B, S, KV, hd]
+BATCH_SPEC = P(FSDP)  # every per-row array ([B], [B, T], ...): rows over fsdp, the rest replicated
+KV_CACHE_SPEC = P(FSDP, TP, None, None)  # each layer's k and v of `qwen.KVCache`: [B, KV, S, hd]
 
 
 def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -11,11 +11,35 @@ token ``input_ids[:, t]`` *being predicted*, i.e. ``logp[:, t] = log p(input_ids
 input_ids[:, :t])``, computed from the hidden state at position ``t - 1``. Column 0 has no
 prediction and is 0; a loss mask must be 0 there. This matches how rollout engines report the
 log-prob of each generated token at that token's position.
+
+`token_logprobs_from_logits` is the same quantity from logits already computed (the rollout
+engine's prompt log-probs and the in-process rescorers use it), so every part of the system
+scores a token with one definition.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def _log_softmax_at(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """z [..., V] float32 (tempered logits), targets [...] int -> (log_softmax(z)[targets], logsumexp(z))."""
+    lse = jax.nn.logsumexp(z, axis=-1)  # [...]
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return picked - lse, lse
+
+
+def token_logprobs_from_logits(
+    logits: jax.Array,  # [B, T, V] from a forward over input_ids
+    input_ids: jax.Array,  # [B, T] int
+    temperature: jax.Array | float = 1.0,  # scalar or [B], > 0
+) -> jax.Array:
+    """Position-aligned ``log_softmax(logits[:, t-1] / temperature)[input_ids[:, t]]`` -> [B, T]
+    float32; column 0 is 0 (nothing predicts it), as in `token_logprobs`."""
+    t = jnp.asarray(temperature, jnp.float32)
+    t = t.reshape(t.shape + (1,) * (logits.ndim - t.ndim))  # broadcast over [B, T-1, V]
+    logp, _ = _log_softmax_at(logits[:, :-1].astype(jnp.float32) / t, input_ids[:, 1:])  # [B, T-1]
+    return jnp.concatenate([jnp.zeros((logp.shape[0], 1), logp.dtype), logp], axis=1)
 
 
 def _chunk_logprobs(
@@ -27,9 +51,7 @@ def _chunk_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
     logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32)  # [B, C, V] f32
     logits = logits * inv_temperature
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, C]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, C]
-    logp = picked - lse
+    logp, lse = _log_softmax_at(logits, targets)  # [B, C] each
     if with_entropy:
         probs = jnp.exp(logits - lse[..., None])
         entropy = lse - jnp.sum(probs * logits, axis=-1)

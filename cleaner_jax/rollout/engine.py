@@ -10,10 +10,13 @@ One call of `Engine.generate_batch` runs a batch of requests of different length
 4. every row's KV (prompt + output[:-1]) goes back into the prefix cache.
 
 Shapes are padded to power-of-two buckets (batch, prompt, cache) so XLA compiles rarely.
-Sampling semantics are SGLang's (see sampling.py and research/sglang.md §1.3, §3.3).
+Both programs run the model with the engine's decode backend as its `ops` (`decode_backend.py`:
+`"auto"`, `"xla"` or `"cpu_kernels"`, chosen by the constructor and closed over by the jitted
+programs). Sampling semantics are SGLang's (see sampling.py and docs/sglang_api.md §1.3, §3.3).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
@@ -26,6 +29,9 @@ import numpy as np
 from flax import nnx
 
 from cleaner_jax.models import qwen
+from cleaner_jax.models.ops import Ops
+from cleaner_jax.rl.logprobs import token_logprobs_from_logits
+from cleaner_jax.rollout import decode_backend as backends
 from cleaner_jax.rollout import sampling
 from cleaner_jax.rollout.prefix_cache import PrefixCache
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
@@ -83,6 +89,24 @@ class DecodeState(NamedTuple):
     keys: jax.Array  # [B] PRNG keys, one stream per row
 
 
+@dataclasses.dataclass
+class _Batch:
+    """One padded batch as the jitted programs take it, with what the results need back."""
+
+    reqs: list[GenRequest]
+    tokens: np.ndarray  # [B, T] int32 uncached prompt tails, right-padded
+    mask: np.ndarray  # [B, T] int32
+    params: RowParams
+    seeds: np.ndarray  # [B] uint32
+    cached: np.ndarray  # [B] int32 prompt tokens taken from the prefix cache
+    entries: list[Any]  # per request: its prefix-cache entry, or None
+    cache_len: int  # S, slots of the batch KV cache
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[0]
+
+
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)  # [B]
 
@@ -102,11 +126,21 @@ class Engine:
         decode_chunk: int = 32,
         prefix_cache_tokens: int = 1 << 17,
         seed: int = 0,
+        decode_backend: str | Ops = "auto",
     ) -> None:
+        """`dtype`: parameter and compute dtype. `decode_backend`: a name of
+        `decode_backend.DECODE_BACKENDS` (resolved for this model's compute dtype; "auto" takes
+        the C++ CPU kernels where they apply and build) or an already resolved `Ops`."""
         self.model_path = str(model_path)
         model = qwen.from_pretrained(model_path, dtype=dtype)
         self.config = model.config
         self.dtype = dtype
+        if isinstance(decode_backend, str):
+            decode_backend = backends.resolve(decode_backend, compute_dtype=self.config.compute_dtype)
+        elif not isinstance(decode_backend, Ops):
+            raise TypeError(f"decode_backend must be a name in {backends.DECODE_BACKENDS} or a models.ops.Ops, "
+                            f"got {type(decode_backend).__name__}")
+        self.decode_backend = decode_backend
         self._graphdef, self._state = nnx.split(model)
         self.eos_ids = read_eos_ids(model_path)
         self.default_sampling = read_default_sampling(model_path)
@@ -120,16 +154,16 @@ class Engine:
         self._abort_lock = threading.Lock()
         self._aborted: set[str] = set()
         self._seeds = np.random.default_rng(seed)
-        graphdef = self._graphdef
+        graphdef, ops = self._graphdef, self.decode_backend
         self._prefill = jax.jit(
             lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: _prefill(
-                graphdef, state, cache, tokens, mask, params, seeds, want_prompt_lp
+                graphdef, ops, state, cache, tokens, mask, params, seeds, want_prompt_lp
             ),
             static_argnums=(6,),
             donate_argnums=(1,),  # the fresh batch cache: prefill writes it in place
         )
         self._decode = jax.jit(
-            lambda state, ds, params, chunk: _decode(graphdef, state, ds, params, chunk),
+            lambda state, ds, params, chunk: _decode(graphdef, ops, state, ds, params, chunk),
             static_argnums=(3,),
             donate_argnums=(1,),
         )
@@ -232,6 +266,23 @@ class Engine:
         return sorted(set(self.eos_ids) | set(s.stop_token_ids))
 
     def _generate_locked(self, reqs: list[GenRequest]) -> list[GenResult]:
+        batch = self._plan(reqs)
+        cache = self._batch_cache(batch)
+        want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
+        ds, first_lp, prompt_lp = self._prefill(
+            self._state, cache, batch.tokens, batch.mask, batch.params, batch.seeds, want_prompt_lp
+        )
+        first_tok, first_lp, done = jax.device_get((ds.last, first_lp, ds.done))
+        max_new = batch.params.max_new
+        out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(len(reqs))]
+        out_lps = [[float(first_lp[i])] if max_new[i] > 0 else [] for i in range(len(reqs))]
+        ds, aborted = self._decode_until_done(ds, done, batch, out_ids, out_lps)
+        results = [self._result(batch, i, out_ids[i], out_lps[i], prompt_lp, aborted) for i in range(len(reqs))]
+        self._cache_prefixes(batch, ds.cache, out_ids)
+        return results
+
+    def _plan(self, reqs: list[GenRequest]) -> _Batch:
+        """Prefix-cache lookups and the padded host arrays of one batch."""
         n_req = len(reqs)
         b = bucket(n_req, 1)
         cached = np.zeros(b, np.int32)
@@ -274,25 +325,32 @@ class Engine:
         mask[n_req:, 0] = 1  # padding rows: one dummy token, nothing generated
         # NumPy inputs go to the jitted programs as they are: one transfer each, no eager ops.
         params = RowParams(temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)
-        cache = _init_cache(self.config, b, s_len)
+        return _Batch(list(reqs), tokens, mask, params, seeds, cached, entries, s_len)
+
+    def _batch_cache(self, batch: _Batch) -> qwen.KVCache:
+        """A fresh batch KV cache holding each row's reused prefix."""
+        cache = _init_cache(self.config, batch.width, batch.cache_len)
         k, v = cache.k, cache.v
-        for i, entry in enumerate(entries):
+        for i, entry in enumerate(batch.entries):
             if entry is not None:
                 k, v = _write_row(k, v, entry.k, entry.v, np.int32(i))
-        cache = qwen.KVCache(k, v, cached)
-        want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
-        ds, first_lp, prompt_lp = self._prefill(self._state, cache, tokens, mask, params, seeds, want_prompt_lp)
-        first_tok, first_lp, done = jax.device_get((ds.last, first_lp, ds.done))
-        out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(n_req)]
-        out_lps = [[float(first_lp[i])] if max_new[i] > 0 else [] for i in range(n_req)]
-        rids = [r.rid for r in reqs]
+        return qwen.KVCache(k, v, batch.cached)
+
+    def _decode_until_done(
+        self, ds: DecodeState, done: np.ndarray, batch: _Batch, out_ids: list[list[int]], out_lps: list[list[float]]
+    ) -> tuple[DecodeState, set[str]]:
+        """Decode chunk by chunk until every row stops (`done` [B]: ds.done on the host),
+        appending to out_ids / out_lps; aborts are applied between chunks. Returns the final
+        state and the aborted rids."""
+        n_req = len(batch.reqs)
+        rids = [r.rid for r in batch.reqs]
         aborted: set[str] = set()
         while not done.all():
             aborted |= self._take_aborted(rids)
             if aborted:
-                abort_rows = np.array([r in aborted for r in rids] + [False] * (b - n_req))
+                abort_rows = np.array([r in aborted for r in rids] + [False] * (batch.width - n_req))
                 ds = ds._replace(done=_or(ds.done, abort_rows))
-            ds, chunk_tok, chunk_lp, steps = self._decode(self._state, ds, params, self.decode_chunk)
+            ds, chunk_tok, chunk_lp, steps = self._decode(self._state, ds, batch.params, self.decode_chunk)
             chunk_tok, chunk_lp, steps, done = jax.device_get((chunk_tok, chunk_lp, steps, ds.done))
             for i in range(n_req):
                 row = chunk_tok[i, :steps]
@@ -300,62 +358,69 @@ class Engine:
                 out_ids[i].extend(int(x) for x in row[keep])
                 out_lps[i].extend(float(x) for x in chunk_lp[i, :steps][keep])
         self._take_aborted(rids)  # an abort that arrived after its row finished is moot
-        lengths = np.asarray(jax.device_get(ds.cache.lengths))
+        return ds, aborted
 
-        results = []
-        for i, req in enumerate(reqs):
-            ids = out_ids[i]
-            if req.rid in aborted:
-                finish, matched = "abort", None
-            elif len(ids) >= req.sampling.max_new_tokens:
-                finish, matched = "length", None
-            else:
-                finish, matched = "stop", ids[-1]
-            input_lps: list[float | None] = []
-            if req.logprob_start_len >= 0:  # SGLang: the first entry is always null
-                lp_row = np.asarray(prompt_lp[i])
-                for pos in range(req.logprob_start_len, len(req.input_ids)):
-                    first = pos == req.logprob_start_len
-                    input_lps.append(None if first else float(lp_row[pos - 1 - cached[i]]))
-            results.append(GenResult(
-                rid=req.rid, output_ids=ids, output_logprobs=out_lps[i], finish_type=finish,
-                matched=matched, prompt_tokens=len(req.input_ids), cached_tokens=int(cached[i]),
-                weight_version=self.weight_version, input_logprobs=input_lps,
-            ))
-            kv_tokens = np.asarray(list(req.input_ids) + ids, np.int32)[: int(lengths[i])]
+    def _result(
+        self, batch: _Batch, i: int, ids: list[int], lps: list[float], prompt_lp: Any, aborted: set[str]
+    ) -> GenResult:
+        req, cached = batch.reqs[i], int(batch.cached[i])
+        if req.rid in aborted:
+            finish, matched = "abort", None
+        elif len(ids) >= req.sampling.max_new_tokens:
+            finish, matched = "length", None
+        else:
+            finish, matched = "stop", ids[-1]
+        input_lps: list[float | None] = []
+        if req.logprob_start_len >= 0:  # SGLang: the first entry is always null
+            lp_row = np.asarray(prompt_lp[i])  # [T]: entry j scores prompt token cached + j
+            for pos in range(req.logprob_start_len, len(req.input_ids)):
+                first = pos == req.logprob_start_len
+                input_lps.append(None if first else float(lp_row[pos - cached]))
+        return GenResult(
+            rid=req.rid, output_ids=ids, output_logprobs=lps, finish_type=finish,
+            matched=matched, prompt_tokens=len(req.input_ids), cached_tokens=cached,
+            weight_version=self.weight_version, input_logprobs=input_lps,
+        )
+
+    def _cache_prefixes(self, batch: _Batch, cache: qwen.KVCache, out_ids: list[list[int]]) -> None:
+        """Every row's KV (prompt + output[:-1]) into the prefix cache."""
+        lengths = np.asarray(jax.device_get(cache.lengths))
+        for i, req in enumerate(batch.reqs):
+            kv_tokens = np.asarray(list(req.input_ids) + out_ids[i], np.int32)[: int(lengths[i])]
             if len(kv_tokens) > 0:
-                ek, ev = _read_row(ds.cache.k, ds.cache.v, np.int32(i), bucket(len(kv_tokens), 16))
+                ek, ev = _read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)
-        return results
 
 
 # ------------------------------------------------------------------ jitted programs
 
 
-def _prefill(graphdef, state, cache, tokens, mask, params: RowParams, seeds, want_prompt_lp: bool):
+def _prefill(graphdef, ops: Ops, state, cache, tokens, mask, params: RowParams, seeds, want_prompt_lp: bool):
     """Forward the uncached prompt tails [B, T] and sample each row's first token."""
     model = nnx.merge(graphdef, state)
     b = tokens.shape[0]
-    h, cache = model.hidden_states(tokens, attention_mask=mask, cache=cache)  # [B, T, H]
+    h, cache = model.hidden_states(tokens, attention_mask=mask, cache=cache, ops=ops)  # [B, T, H]
     last_pos = mask.sum(-1) - 1  # [B]
     # Logits of the last real token only, unless prompt log-probs are wanted: the full [B, T, V]
     # is a quarter of a 5M model's prefill FLOPs, and 1.2 GB per 2k-token row at Qwen's vocab.
     if want_prompt_lp:
-        logits = model.logits(h)  # [B, T, V]
+        logits = model.logits(h, ops)  # [B, T, V]
         last = logits[jnp.arange(b), last_pos]  # [B, V]
     else:
-        last = model.logits(h[jnp.arange(b), last_pos])  # [B, V]
+        last = model.logits(h[jnp.arange(b), last_pos], ops)  # [B, V]
     keys = jax.vmap(jax.random.key)(seeds)
     step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
     tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)
     count = (params.max_new > 0).astype(jnp.int32)
     done = (params.max_new <= 1) | _is_stop(tok, params.stop_ids)
     # SGLang's prompt log-probs are untempered whatever the request's temperature (prompt_temp 0).
-    prompt_lp = sampling.next_token_logprobs(logits, tokens, params.prompt_temp) if want_prompt_lp else None
+    prompt_lp = None  # [B, T] position-aligned: entry t scores tokens[:, t]
+    if want_prompt_lp:
+        prompt_lp = token_logprobs_from_logits(logits, tokens, jnp.where(params.prompt_temp > 0, params.prompt_temp, 1.0))
     return DecodeState(cache, tok, done, count, keys), lp, prompt_lp
 
 
-def _decode(graphdef, state, ds: DecodeState, params: RowParams, chunk: int):
+def _decode(graphdef, ops: Ops, state, ds: DecodeState, params: RowParams, chunk: int):
     """Up to `chunk` decode steps in one while_loop; finished rows emit -1 and stay frozen."""
     model = nnx.merge(graphdef, state)
     b = ds.last.shape[0]
@@ -367,7 +432,9 @@ def _decode(graphdef, state, ds: DecodeState, params: RowParams, chunk: int):
     def body(carry):
         i, st, out_tok, out_lp = carry
         active = ~st.done
-        logits, cache = model(st.last[:, None], attention_mask=active[:, None].astype(jnp.int32), cache=st.cache)
+        logits, cache = model(
+            st.last[:, None], attention_mask=active[:, None].astype(jnp.int32), cache=st.cache, ops=ops
+        )  # [B, 1, V]
         step_keys = jax.vmap(jax.random.fold_in)(st.keys, st.count)
         tok, lp = sampling.sample_tokens(
             step_keys, logits[:, 0], params.temperature, params.top_p, params.top_k, params.min_p
@@ -390,30 +457,29 @@ _or = jax.jit(jnp.logical_or)
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _write_row(cache_k, cache_v, entry_k, entry_v, row):
-    """Copy a prefix-cache entry [L, P, KV, hd] into batch row `row` of a `qwen.KVCache`'s
-    per-layer k [B, KV, hd, S] and v [B, KV, S, hd] (donated: updated in place)."""
-    n = min(entry_k.shape[1], cache_v[0].shape[2])
-    k = tuple(
-        jax.lax.dynamic_update_slice(c, entry_k[i, :n].transpose(1, 2, 0)[None].astype(c.dtype), (row, 0, 0, 0))
-        for i, c in enumerate(cache_k)
-    )
-    v = tuple(
-        jax.lax.dynamic_update_slice(c, entry_v[i, :n].transpose(1, 0, 2)[None].astype(c.dtype), (row, 0, 0, 0))
-        for i, c in enumerate(cache_v)
-    )
-    return k, v
+    """Copy a prefix-cache entry [L, KV, P, hd] into batch row `row` of a `qwen.KVCache`'s
+    per-layer k, v [B, KV, S, hd] (donated: updated in place)."""
+    n = min(entry_k.shape[2], cache_k[0].shape[2])
+
+    def write(cache, entry):
+        return tuple(
+            jax.lax.dynamic_update_slice(c, entry[i, :, :n][None].astype(c.dtype), (row, 0, 0, 0))
+            for i, c in enumerate(cache)
+        )
+
+    return write(cache_k, entry_k), write(cache_v, entry_v)
 
 
 def _read_row(cache_k, cache_v, row, size: int):
-    size = min(size, cache_v[0].shape[2])
+    size = min(size, cache_k[0].shape[2])
     return _read_row_jit(cache_k, cache_v, row, size)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _read_row_jit(cache_k, cache_v, row, size: int):
-    """Row `row`'s first `size` slots as prefix-cache entries k, v [L, size, KV, hd]."""
-    k = jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :, :size].transpose(2, 0, 1)
-                   for c in cache_k])
-    v = jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :size].transpose(1, 0, 2)
-                   for c in cache_v])
-    return k, v
+    """Row `row`'s first `size` slots as prefix-cache entries k, v [L, KV, size, hd]."""
+
+    def read(cache):
+        return jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :size] for c in cache])
+
+    return read(cache_k), read(cache_v)

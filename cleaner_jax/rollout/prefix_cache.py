@@ -3,10 +3,10 @@
 A multi-turn trajectory sends prompt_{t+1} = prompt_t + output_t + observation, so the KV of
 turn t (which covers prompt_t + output_t[:-1]; the last sampled token was never fed back) is an
 exact prefix of the next prompt. Reusing it is what SGLang's radix cache does; the reported
-`cached_tokens` follows the same rule (research/sglang.md §1.3).
+`cached_tokens` follows the same rule (docs/sglang_api.md §1.3).
 
-Entries live on the device as `[L, P, KV, hd]` arrays padded to a bucket `P`, so copying one
-into a batch cache compiles once per bucket. The index is a flat list searched linearly: the
+Entries live on the device as `[L, KV, P, hd]` arrays (a batch row of `qwen.KVCache`, layers
+stacked) padded to a bucket `P`, so copying one into a batch cache compiles once per bucket. The index is a flat list searched linearly: the
 number of live trajectories per server is small (hundreds), and a search is a NumPy compare.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ import numpy as np
 @dataclasses.dataclass
 class CacheEntry:
     tokens: np.ndarray  # [n] int32: the tokens whose KV is stored, in order
-    k: jax.Array  # [L, P, KV, hd], P >= n (padding slots are garbage)
-    v: jax.Array  # [L, P, KV, hd]
+    k: jax.Array  # [L, KV, P, hd], P >= n (padding slots are garbage)
+    v: jax.Array  # [L, KV, P, hd]
     last_used: int
 
     @property
     def padded_len(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.k.shape[2])
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -73,7 +73,7 @@ class PrefixCache:
     def insert(self, tokens: np.ndarray, k: jax.Array, v: jax.Array) -> None:
         """Store KV for `tokens`; entries that are a prefix of it become redundant and go."""
         tokens = np.asarray(tokens, dtype=np.int32)
-        if len(tokens) == 0 or k.shape[1] > self.max_tokens:
+        if len(tokens) == 0 or k.shape[2] > self.max_tokens:
             return
         self._clock += 1
         for entry in self._entries:

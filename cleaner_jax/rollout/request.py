@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-# Every key SGLang 0.5.23 accepts in `sampling_params` (research/sglang.md §3.2). Keys we do not
+# Every key SGLang 0.5.23 accepts in `sampling_params` (docs/sglang_api.md §3.2). Keys we do not
 # implement are accepted only at their no-op default, so a request never silently changes meaning.
 _IMPLEMENTED = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",

@@ -1,7 +1,7 @@
 """Model-running rescorers (the `rollout.protocol.Rescorer` interface) for re-scoring spliced tokens in the purified context (`saar.logprob_mode = "rollout"`).
 
 Tokens SAAR splices in were sampled conditioned on the failed attempt and its error message
-(research/open_cleaner.md §3, §9.1); their sampled log-probs do not describe the purified
+(docs/authors.md §3, §9.1); their sampled log-probs do not describe the purified
 sequence. In `rollout` mode the loop re-scores exactly those tokens at splice time, in the
 purified context, so every policy token of the purified trajectory carries
 log p_rollout(token | purified prefix) and the cost grows with the spliced span when the scorer
@@ -19,22 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cleaner_jax.rl.logprobs import token_logprobs_from_logits
+
 
 def _check(input_ids: list[int], start: int, temperature: float) -> None:
     if not 1 <= start <= len(input_ids):
         raise ValueError(f"rescore start={start} must be in [1, {len(input_ids)}] (token 0 has no context)")
     if temperature <= 0:
         raise ValueError(f"rescore temperature={temperature} must be > 0 (greedy has no log-probs to match)")
-
-
-@jax.jit
-def _next_token_logprobs(logits: jax.Array, ids: jax.Array, temperature: jax.Array) -> jax.Array:
-    """logits [W, V] at positions p, ids [W] of those positions -> [W] with entry p =
-    log_softmax(logits[p] / T)[ids[p + 1]] (the last entry scores a dummy and is dropped).
-    Fixed shapes per bucket, so slicing to the wanted range happens afterwards in NumPy."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    targets = jnp.concatenate([ids[1:], ids[:1]])
-    return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
 
 
 class ModelRescorer:
@@ -48,7 +40,11 @@ class ModelRescorer:
 
         graphdef, self._state = nnx.split(model)
         self.bucket = bucket
-        self._forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+
+        def forward(state: Any, ids: jax.Array, temperature: jax.Array) -> jax.Array:  # ids [1, T] -> [1, T]
+            return token_logprobs_from_logits(nnx.merge(graphdef, state)(ids), ids, temperature)
+
+        self._forward = jax.jit(forward)
 
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
         return self.logprobs(input_ids, start, temperature)
@@ -59,9 +55,8 @@ class ModelRescorer:
         n = len(input_ids)
         ids = np.zeros((1, _bucket(n, self.bucket)), np.int32)  # [1, T_pad]
         ids[0, :n] = input_ids
-        logits = self._forward(self._state, jnp.asarray(ids))[0]  # [T_pad, V]
-        lp = np.asarray(_next_token_logprobs(logits, jnp.asarray(ids[0]), jnp.float32(temperature)))
-        return lp[start - 1 : n - 1].tolist()
+        lp = np.asarray(self._forward(self._state, jnp.asarray(ids), jnp.float32(temperature))[0])  # [T_pad]
+        return lp[start:n].tolist()
 
 
 def _bucket(n: int, step: int) -> int:
@@ -91,8 +86,10 @@ class PrefixCachedRescorer:
         self.max_len = max_len or model.config.max_position_embeddings
         graphdef, self._state = nnx.split(model)
 
-        def forward(state: Any, ids: jax.Array, mask: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-            return nnx.merge(graphdef, state)(ids, attention_mask=mask, cache=cache)
+        def forward(state: Any, ids: jax.Array, mask: jax.Array, cache: Any, temperature: jax.Array
+                    ) -> tuple[jax.Array, Any]:
+            logits, cache = nnx.merge(graphdef, state)(ids, attention_mask=mask, cache=cache)  # [1, W, V]
+            return token_logprobs_from_logits(logits, ids, temperature), cache  # [1, W]
 
         self._forward = jax.jit(forward)
         self._ids: list[int] = []
@@ -101,7 +98,8 @@ class PrefixCachedRescorer:
 
     def _run(self, input_ids: list[int], keep: int, temperature: float = 1.0) -> np.ndarray:
         """Run input_ids[keep:] on top of the cached first `keep` tokens; returns, for each new
-        position p (padded width), log p(input_ids[p + 1] | ...) at `temperature`."""
+        position j >= 1 (padded width), log p(input_ids[keep + j] | ...) at `temperature`
+        (entry 0 would need the logits of position keep - 1, which this call does not compute)."""
         new = input_ids[keep:]
         width = _bucket(len(new), self.bucket)
         if keep + width > self.max_len:
@@ -113,10 +111,10 @@ class PrefixCachedRescorer:
         mask = np.zeros((1, width), np.int32)
         mask[0, : len(new)] = 1
         cache = self._qwen.KVCache(self._cache.k, self._cache.v, jnp.asarray([keep], jnp.int32))
-        logits, self._cache = self._forward(self._state, jnp.asarray(ids), jnp.asarray(mask), cache)
+        lp, self._cache = self._forward(self._state, jnp.asarray(ids), jnp.asarray(mask), cache, jnp.float32(temperature))
         self._ids = list(input_ids)
         self.tokens_computed += len(new)
-        return np.asarray(_next_token_logprobs(logits[0], jnp.asarray(ids[0]), jnp.float32(temperature)))
+        return np.asarray(lp[0])
 
     def _common_prefix(self, input_ids: list[int]) -> int:
         n = min(len(self._ids), len(input_ids))
@@ -133,5 +131,5 @@ class PrefixCachedRescorer:
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
         _check(input_ids, start, temperature)
         keep = min(self._common_prefix(input_ids), start - 1)
-        lp = self._run(list(input_ids), keep, temperature)  # entry j: position keep + j
-        return lp[start - 1 - keep : len(input_ids) - 1 - keep].tolist()
+        lp = self._run(list(input_ids), keep, temperature)  # entry j: token keep + j
+        return lp[start - keep : len(input_ids) - keep].tolist()

@@ -2,7 +2,7 @@
 
 SGLang reports `log_softmax(logits / T)` of the sampled token, taken *before* top-p / top-k /
 min-p truncation, and raw `log_softmax(logits)` for greedy (`T == 0`) requests
-(research/sglang.md §1.3). The learner recomputes exactly this quantity, so the engine must not
+(docs/sglang_api.md §1.3). The learner recomputes exactly this quantity, so the engine must not
 renormalise over the truncated support when it reports log-probs.
 
 All functions work on a batch of rows, each with its own sampling parameters:
@@ -127,16 +127,3 @@ def sample_tokens(
     tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, chosen
-
-
-def next_token_logprobs(
-    logits: jax.Array, input_ids: jax.Array, temperature: jax.Array
-) -> jax.Array:
-    """Log-prob of each following input token: out[b, t] = log p(input_ids[b, t+1] | ≤ t).
-
-    logits: [B, T, V] from a forward over input_ids [B, T]; returns [B, T] float32 whose last
-    column is meaningless (there is no following token); callers slice what they need.
-    """
-    logprobs = scaled_logprobs(logits, temperature)  # [B, T, V]
-    following = jnp.concatenate([input_ids[:, 1:], input_ids[:, :1]], axis=1)
-    return jnp.take_along_axis(logprobs, following[..., None], axis=-1)[..., 0]

@@ -1,4 +1,4 @@
-"""SGLang-native-compatible HTTP server over the JAX engine (the "Must" list of research/sglang.md §5.2).
+"""SGLang-native-compatible HTTP server over the JAX engine (the "Must" list of docs/sglang_api.md §5.2).
 
     python -m cleaner_jax.rollout.server --model-path DIR --host 127.0.0.1 --port 30000
 
@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from cleaner_jax.models.ops import Ops
+from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams, UnknownFieldError, parse_sampling
 from cleaner_jax.rollout.scheduler import BatchScheduler
@@ -164,184 +167,210 @@ def format_result(item: _Item, res: GenResult, tokenizer: Any, latency_s: float,
     return out
 
 
+# ----------------------------------------------------------------------------- handlers
+# One coroutine per route; each finds the shared ServerState on its app and answers 503 until the
+# model is loaded (`_ready`).
+
+STATE = web.AppKey("state", ServerState)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _ready(handler: Callable[[web.Request, ServerState], Awaitable[web.StreamResponse]]) -> Handler:
+    """`handler(request, state)` once the engine is loaded; 503 (with the load error, if any) before."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        if not state.ready.is_set():
+            return _error(503, f"model is not loaded yet{f': {state.load_error}' if state.load_error else ''}")
+        return await handler(request, state)
+
+    return wrapped
+
+
+@_ready
+async def health(_: web.Request, state: ServerState) -> web.Response:
+    return web.Response(status=200)
+
+
+@_ready
+async def health_generate(_: web.Request, state: ServerState) -> web.Response:
+    req = GenRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{uuid.uuid4().hex}")
+    await state.scheduler.generate(req)
+    return web.Response(status=200)
+
+
+@_ready
+async def generate(request: web.Request, state: ServerState) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as exc:
+        return _error(400, f"request body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object")
+    try:
+        items, is_batch = parse_generate(body, state.engine.default_sampling)
+        for item in items:
+            state.engine.validate(item.req)
+        futures = [state.scheduler.submit(item.req) for item in items]
+    except UnknownFieldError as exc:  # SGLang's contract-violation form: a bare string
+        return web.json_response({"error": str(exc)}, status=400)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    try:
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    except asyncio.CancelledError:  # client went away: abort, as SGLang does
+        for item in items:
+            state.scheduler.abort(item.req.rid)
+        raise
+    latency = time.perf_counter() - t0
+    want_prompt = bool(body.get("return_prompt_token_ids", False))
+    outs = [format_result(i, r, state.tokenizer, latency, want_prompt) for i, r in zip(items, results)]
+    if not body.get("stream", False):
+        return web.json_response(outs if is_batch else outs[0])
+    return await _stream(request, outs)
+
+
+async def _stream(request: web.Request, outs: list[dict[str, Any]]) -> web.StreamResponse:
+    """One cumulative chunk per item with its final result (SGLang chunks may skip steps), then [DONE]."""
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await stream.prepare(request)
+    for out in outs:
+        await stream.write(f"data: {json.dumps(out)}\n\n".encode())
+    await stream.write(b"data: [DONE]\n\n")
+    await stream.write_eof()
+    return stream
+
+
+def _model_info(eng: Engine) -> dict[str, Any]:
+    return {
+        "model_path": eng.model_path, "served_model_name": eng.model_path,
+        "tokenizer_path": eng.model_path, "is_generation": True,
+        "preferred_sampling_params": None, "weight_version": eng.weight_version,
+        "model_type": eng.config.model_type, "architectures": None,
+    }
+
+
+@_ready
+async def get_model_info(_: web.Request, state: ServerState) -> web.Response:
+    return web.json_response(_model_info(state.engine))
+
+
+@_ready
+async def get_server_info(_: web.Request, state: ServerState) -> web.Response:
+    eng = state.engine
+    return web.json_response({
+        **_model_info(eng), "version": SERVER_VERSION, "context_length": eng.context_length,
+        "vocab_size": eng.vocab_size, "max_running_requests": eng.max_batch,
+        "decode_chunk": eng.decode_chunk, "dtype": eng.dtype, "decode_backend": eng.decode_backend.name,
+        "internal_states": [{"prefix_cache_entries": len(eng.prefix_cache),
+                             "prefix_cache_tokens": eng.prefix_cache.num_tokens}],
+    })
+
+
+@_ready
+async def v1_models(_: web.Request, state: ServerState) -> web.Response:
+    eng = state.engine
+    card = {"id": eng.model_path, "object": "model", "owned_by": "cleaner_jax", "root": eng.model_path,
+            "max_model_len": eng.context_length}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+@_ready
+async def flush_cache(_: web.Request, state: ServerState) -> web.Response:
+    await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
+    return web.Response(text="Cache flushed.\n")
+
+
+def _update_failed(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+
+
+@_ready
+async def update_weights_from_disk(request: web.Request, state: ServerState) -> web.Response:
+    body = await request.json()
+    path, version = body.get("model_path"), body.get("weight_version")
+    if not path:
+        return _update_failed("model_path is required")
+    flush = body.get("flush_cache", True)
+    if not isinstance(flush, bool):
+        return _update_failed(f"flush_cache must be true or false, got {flush!r}")
+    if body.get("abort_all_requests"):
+        state.scheduler.abort_all()
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version, flush)
+    except (OSError, ValueError, KeyError) as exc:
+        return _update_failed(f"Failed to update weights from {path}: {type(exc).__name__}: {exc}")
+    return web.json_response({
+        "success": True, "num_paused_requests": 0,
+        "message": "Succeeded to update model weights"
+                   + (" (prefix cache flushed)." if flush else " (prefix cache kept)."),
+    })
+
+
+@_ready
+async def update_weight_version(request: web.Request, state: ServerState) -> web.Response:
+    body = await request.json()
+    if "new_version" not in body:
+        return _error(400, "new_version is required")
+    state.engine.weight_version = str(body["new_version"])
+    return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
+
+
+@_ready
+async def pause_generation(request: web.Request, state: ServerState) -> web.Response:
+    body = await request.json() if request.can_read_body else {}
+    mode = body.get("mode", "abort")
+    if mode != "abort":
+        return _error(400, f"pause_generation mode {mode!r} is not supported by this server; use \"abort\" "
+                           "(requests are aborted, new ones wait for /continue_generation)")
+    state.scheduler.pause()
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@_ready
+async def continue_generation(_: web.Request, state: ServerState) -> web.Response:
+    state.scheduler.resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@_ready
+async def abort_request(request: web.Request, state: ServerState) -> web.Response:
+    body = await request.json()
+    if body.get("abort_all"):
+        state.scheduler.abort_all()
+    elif body.get("rid") is not None:
+        state.scheduler.abort(str(body["rid"]))
+    return web.Response(status=200)
+
+
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/health", health),
+    ("GET", "/health_generate", health_generate),
+    ("POST", "/generate", generate),
+    ("PUT", "/generate", generate),
+    ("GET", "/model_info", get_model_info),
+    ("GET", "/get_model_info", get_model_info),
+    ("GET", "/server_info", get_server_info),
+    ("GET", "/get_server_info", get_server_info),
+    ("GET", "/v1/models", v1_models),
+    ("GET", "/flush_cache", flush_cache),
+    ("POST", "/flush_cache", flush_cache),
+    ("POST", "/update_weights_from_disk", update_weights_from_disk),
+    ("POST", "/update_weight_version", update_weight_version),
+    ("POST", "/pause_generation", pause_generation),
+    ("POST", "/continue_generation", continue_generation),
+    ("POST", "/abort_request", abort_request),
+)
+
+
 def build_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=1 << 30)
-    routes = web.RouteTableDef()
-
-    def not_ready() -> web.Response | None:
-        if state.ready.is_set():
-            return None
-        return _error(503, f"model is not loaded yet{f': {state.load_error}' if state.load_error else ''}")
-
-    @routes.get("/health")
-    async def health(_: web.Request) -> web.Response:
-        return not_ready() or web.Response(status=200)
-
-    @routes.get("/health_generate")
-    async def health_generate(_: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        req = GenRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{uuid.uuid4().hex}")
-        await state.scheduler.generate(req)
-        return web.Response(status=200)
-
-    async def generate(request: web.Request) -> web.StreamResponse:
-        if (resp := not_ready()) is not None:
-            return resp
-        t0 = time.perf_counter()
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            return _error(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
-        try:
-            items, is_batch = parse_generate(body, state.engine.default_sampling)
-            for item in items:
-                state.engine.validate(item.req)
-            futures = [state.scheduler.submit(item.req) for item in items]
-        except UnknownFieldError as exc:  # SGLang's contract-violation form: a bare string
-            return web.json_response({"error": str(exc)}, status=400)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        try:
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except asyncio.CancelledError:  # client went away: abort, as SGLang does
-            for item in items:
-                state.scheduler.abort(item.req.rid)
-            raise
-        latency = time.perf_counter() - t0
-        want_prompt = bool(body.get("return_prompt_token_ids", False))
-        outs = [format_result(i, r, state.tokenizer, latency, want_prompt) for i, r in zip(items, results)]
-        payload: Any = outs if is_batch else outs[0]
-        if not body.get("stream", False):
-            return web.json_response(payload)
-        # One cumulative chunk with the final result (SGLang chunks may skip steps), then [DONE].
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await stream.prepare(request)
-        for out in outs:
-            await stream.write(f"data: {json.dumps(out)}\n\n".encode())
-        await stream.write(b"data: [DONE]\n\n")
-        await stream.write_eof()
-        return stream
-
-    app.router.add_route("POST", "/generate", generate)
-    app.router.add_route("PUT", "/generate", generate)
-
-    def model_info() -> dict[str, Any]:
-        eng = state.engine
-        return {
-            "model_path": eng.model_path, "served_model_name": eng.model_path,
-            "tokenizer_path": eng.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": eng.weight_version,
-            "model_type": eng.config.model_type, "architectures": None,
-        }
-
-    async def get_model_info(_: web.Request) -> web.Response:
-        return not_ready() or web.json_response(model_info())
-
-    async def get_server_info(_: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        eng = state.engine
-        return web.json_response({
-            **model_info(), "version": SERVER_VERSION, "context_length": eng.context_length,
-            "vocab_size": eng.vocab_size, "max_running_requests": eng.max_batch,
-            "decode_chunk": eng.decode_chunk, "dtype": eng.dtype,
-            "internal_states": [{"prefix_cache_entries": len(eng.prefix_cache),
-                                 "prefix_cache_tokens": eng.prefix_cache.num_tokens}],
-        })
-
-    for path in ("/model_info", "/get_model_info"):
-        app.router.add_get(path, get_model_info)
-    for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, get_server_info)
-
-    @routes.get("/v1/models")
-    async def v1_models(_: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        eng = state.engine
-        card = {"id": eng.model_path, "object": "model", "owned_by": "cleaner_jax", "root": eng.model_path,
-                "max_model_len": eng.context_length}
-        return web.json_response({"object": "list", "data": [card]})
-
-    async def flush_cache(_: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
-        return web.Response(text="Cache flushed.\n")
-
-    app.router.add_get("/flush_cache", flush_cache)
-    app.router.add_post("/flush_cache", flush_cache)
-
-    @routes.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        body = await request.json()
-        path, version = body.get("model_path"), body.get("weight_version")
-        if not path:
-            return web.json_response({"success": False, "message": "model_path is required", "num_paused_requests": 0}, status=400)
-        flush = body.get("flush_cache", True)
-        if not isinstance(flush, bool):
-            msg = f"flush_cache must be true or false, got {flush!r}"
-            return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
-        if body.get("abort_all_requests"):
-            state.scheduler.abort_all()
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version, flush)
-        except (OSError, ValueError, KeyError) as exc:
-            msg = f"Failed to update weights from {path}: {type(exc).__name__}: {exc}"
-            return web.json_response({"success": False, "message": msg, "num_paused_requests": 0}, status=400)
-        return web.json_response({
-            "success": True, "num_paused_requests": 0,
-            "message": "Succeeded to update model weights"
-                       + (" (prefix cache flushed)." if flush else " (prefix cache kept)."),
-        })
-
-    @routes.post("/update_weight_version")
-    async def update_weight_version(request: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        body = await request.json()
-        if "new_version" not in body:
-            return _error(400, "new_version is required")
-        state.engine.weight_version = str(body["new_version"])
-        return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
-
-    @routes.post("/pause_generation")
-    async def pause_generation(request: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        body = await request.json() if request.can_read_body else {}
-        mode = body.get("mode", "abort")
-        if mode != "abort":
-            return _error(400, f"pause_generation mode {mode!r} is not supported by this server; use \"abort\" "
-                               "(requests are aborted, new ones wait for /continue_generation)")
-        state.scheduler.pause()
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    @routes.post("/continue_generation")
-    async def continue_generation(_: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        state.scheduler.resume()
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
-
-    @routes.post("/abort_request")
-    async def abort_request(request: web.Request) -> web.Response:
-        if (resp := not_ready()) is not None:
-            return resp
-        body = await request.json()
-        if body.get("abort_all"):
-            state.scheduler.abort_all()
-        elif body.get("rid") is not None:
-            state.scheduler.abort(str(body["rid"]))
-        return web.Response(status=200)
-
-    app.add_routes(routes)
+    app[STATE] = state
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     return app
 
 
@@ -375,12 +404,22 @@ def start_server_in_thread(
     port: int = 0,
     wait_ready: bool = True,
     max_wait_s: float = 0.005,
+    dtype: str = "float32",
+    decode_backend: str | Ops = "auto",
     **engine_kwargs: Any,
 ) -> ServerHandle:
     """Serve on `host:port` (0 = a free port) from a background thread; the model loads in the
-    background too, so /health answers 503 until it is ready (wait_ready blocks until then)."""
+    background too, so /health answers 503 until it is ready (wait_ready blocks until then).
+
+    With `model_path`, the engine is built here: `dtype` is its parameter and compute dtype
+    (pass the run's `model.compute_dtype`), `decode_backend` one of `DECODE_BACKENDS`
+    (`rollout/decode_backend.py`), other `engine_kwargs` go to `Engine`. With a ready `engine`,
+    those are its own and must not be passed."""
     if (model_path is None) == (engine is None):
         raise ValueError("pass exactly one of model_path and engine")
+    if engine is not None and (engine_kwargs or dtype != "float32" or decode_backend != "auto"):
+        raise ValueError("start_server_in_thread(engine=...) serves that engine as built: pass dtype, "
+                         "decode_backend and other Engine arguments to Engine(...) instead")
     state = ServerState()
     loop = asyncio.new_event_loop()
     started: dict[str, Any] = {}
@@ -408,7 +447,8 @@ def start_server_in_thread(
     else:
         def load() -> None:
             try:
-                state.attach(Engine(model_path, **engine_kwargs), max_wait_s)
+                state.attach(Engine(model_path, dtype=dtype, decode_backend=decode_backend, **engine_kwargs),
+                             max_wait_s)
             except BaseException as exc:  # noqa: BLE001 - reported by /health and wait_ready
                 state.load_error = exc
                 log.exception("loading %s failed", model_path)
@@ -426,7 +466,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="parameter and compute dtype of the served model")
+    parser.add_argument("--decode-backend", default="auto", choices=DECODE_BACKENDS,
+                        help="ops of the decode step: auto = the C++ CPU kernels where they apply and build "
+                             "(CPU, float32), else xla (see cleaner_jax/rollout/decode_backend.py)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--decode-chunk", type=int, default=32)
     parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 17)
@@ -435,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     handle = start_server_in_thread(
         args.model_path, host=args.host, port=args.port, wait_ready=True,
-        max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, max_batch=args.max_batch,
+        max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, decode_backend=args.decode_backend,
+        max_batch=args.max_batch,
         decode_chunk=args.decode_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
     )
     log.info("serving %s at %s", args.model_path, handle.url)

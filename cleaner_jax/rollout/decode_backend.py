@@ -1,0 +1,111 @@
+"""The rollout engine's decode backends: which `models.ops.Ops` its prefill and decode run on.
+
+`Engine(decode_backend=...)` (and `rollout.server --decode-backend`) takes one of
+`DECODE_BACKENDS`, resolved once by `resolve` when the engine is built:
+
+- `"xla"`: `models.ops.XLA`, the model's own plain einsums, on any device and dtype;
+- `"cpu_kernels"`: `CpuKernelOps`, the XLA ops except for the one-token attention of a decode
+  step, which runs a float32 C++ kernel (`cpu_kernels.py`) that reads the KV cache once and
+  stops at each row's last valid slot. The matmuls stay XLA's: few-row C++ matmuls were tried
+  and lost under contention (bench/RESULTS.md, 2026-12-01). Only for JAX's CPU backend and
+  float32 compute; where it does not apply or the C++ does not build, asking for it is an error;
+- `"auto"` (default): `cpu_kernels` where it applies and builds, else `xla`. A failed build is
+  logged once as a warning carrying the compiler's error.
+
+The resolved object is closed over by the engine's jitted programs, so it is part of what is
+traced: two engines with different backends compile different programs, in one process. The
+model receives it as its `ops` argument and never imports this module; the learner never sees it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from cleaner_jax.models import layers
+from cleaner_jax.models.ops import XLA, Ops
+from cleaner_jax.rollout import cpu_kernels
+
+DECODE_BACKENDS = ("auto", "xla", "cpu_kernels")
+
+log = logging.getLogger(__name__)
+_warned: set[tuple[str, str]] = set()
+
+
+class CpuKernelOps(Ops):
+    """`Ops` with the C++ kernel for one-token float32 attention; the XLA ops otherwise (every
+    matmul included). Construct it through `resolve`, which builds and registers the kernel first."""
+
+    name = "cpu_kernels"
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str) -> jax.Array:
+        if q.shape[1] == 1 and impl == "xla" and all(a.dtype == jnp.float32 for a in (q, k, v)):
+            return _kernel_decode_attention(q, k, v, mask)
+        return super().attention(q, k, v, mask, impl)
+
+
+@jax.custom_vjp
+def _kernel_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`layers.grouped_attention` of one new token: q [B, 1, N, hd]; k, v [B, KV, S, hd]; mask [B, 1, S]."""
+    b, _, n, hd = q.shape
+    kv = k.shape[1]
+    out = cpu_kernels.decode_attention(q.reshape(b, kv, n // kv, hd), k, v, mask[:, 0], hd**-0.5)  # [B, KV, G, hd]
+    return out.reshape(b, 1, n, hd)
+
+
+def _kernel_decode_attention_fwd(q, k, v, mask):
+    return _kernel_decode_attention(q, k, v, mask), (q, k, v, mask)
+
+
+def _kernel_decode_attention_bwd(res, g):
+    """Gradients through the XLA formulation: the kernel itself is forward-only."""
+    q, k, v, mask = res
+    _, vjp = jax.vjp(functools.partial(layers.grouped_attention, mask=mask), q, k, v)
+    return (*vjp(g), None)
+
+
+_kernel_decode_attention.defvjp(_kernel_decode_attention_fwd, _kernel_decode_attention_bwd)
+
+
+def resolve(
+    decode_backend: str,
+    *,
+    compute_dtype: str,
+    compiler: str = cpu_kernels.DEFAULT_COMPILER,
+    cache_dir: Path | None = None,
+) -> Ops:
+    """The ops for `decode_backend` (one of DECODE_BACKENDS) for a model computing in
+    `compute_dtype` on JAX's default backend; `compiler` and `cache_dir` go to `cpu_kernels.load`.
+
+    Raises ValueError for an unknown name or `cpu_kernels` where it does not apply, and
+    `cpu_kernels.CpuKernelBuildError` when `cpu_kernels` was asked for and does not build."""
+    if decode_backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend={decode_backend!r}: expected one of {', '.join(DECODE_BACKENDS)}")
+    if decode_backend == "xla":
+        return XLA
+    device = jax.default_backend()
+    if device != "cpu" or compute_dtype != "float32":
+        if decode_backend == "cpu_kernels":
+            raise ValueError(
+                f"decode_backend='cpu_kernels' needs JAX's CPU backend and compute dtype float32, got "
+                f"{device!r} and {compute_dtype!r}; use decode_backend='xla' or 'auto'"
+            )
+        return XLA  # auto: the kernel does not apply here, the XLA ops are the fast path
+    try:
+        cpu_kernels.load(compiler, cache_dir)
+    except cpu_kernels.CpuKernelBuildError as e:
+        if decode_backend == "cpu_kernels":
+            raise cpu_kernels.CpuKernelBuildError(
+                f"decode_backend='cpu_kernels': the C++ kernel did not build: {e}\n"
+                "Install a C++17 compiler (or pass one), or use decode_backend='xla' or 'auto'"
+            ) from e
+        key = (compiler, str(cache_dir))
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("decode_backend='auto': the CPU decode attention kernel did not build, decoding with the XLA ops "
+                        "(same results, slower decode; pass decode_backend='xla' to skip the build): %s", e)
+        return XLA
+    return CpuKernelOps()
