@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cleaner_jax.tools._forkserver import _python_paths, _under_tmp
+from cleaner_jax.tools._mounts import python_paths, under_tmp
 from cleaner_jax.tools.sandbox import ExecResult, Sandbox
 
 SECRET = "cj-sandbox-secret-" + uuid.uuid4().hex
@@ -82,7 +82,7 @@ def _assert_clean(sb: Sandbox) -> None:
         assert list(d.iterdir()) == [], f"work dir {d} not emptied"
     if sb.isolation["mount_namespace"]:
         for pid in sb.worker_pids():  # the private tmpfs, as the server sees it
-            kept = sorted({p.split("/")[2] for p in _under_tmp(_python_paths())})  # read-only binds
+            kept = sorted({p.split("/")[2] for p in under_tmp(python_paths())})  # read-only binds
             assert sorted(os.listdir(f"/proc/{pid}/root/tmp")) == kept, "private /tmp not emptied"
 
 
@@ -168,7 +168,7 @@ def test_calls_are_stateless(sandbox):
     r = sandbox.run("import math, os\nprint(math.tau > 6, sorted(os.listdir('.')), "
                     "os.path.exists('/tmp/state2.txt'))")
     # a venv/checkout living below /tmp stays visible as read-only mount points, nothing else
-    kept = sorted({p.split("/")[2] for p in _under_tmp(_python_paths())})
+    kept = sorted({p.split("/")[2] for p in under_tmp(python_paths())})
     assert r.stdout == f"True {kept} False\n", r
 
 

@@ -1,6 +1,6 @@
 """Runs one snippet of model-written code inside the sandboxed child process.
 
-This is the behaviour of the authors' in-sandbox wrapper (research/open_cleaner.md §1.6, §6),
+This is the behaviour of the authors' in-sandbox wrapper (docs/authors.md §1.6, §6),
 re-implemented: the code is split into a body and a bare last expression; the body is exec'd,
 the expression eval'd and its repr printed when it is not None (if eval fails the expression is
 re-run as a statement, so its side effects happen twice, as in the original). An uncaught

@@ -34,7 +34,6 @@ import os
 import resource
 import selectors
 import signal
-import stat
 import struct
 import sys
 import tempfile
@@ -44,6 +43,8 @@ from typing import Any, NoReturn
 
 from cleaner_jax.tools import _linux
 from cleaner_jax.tools._executor import install_std_streams, run_user_code
+from cleaner_jax.tools._framing import recv_msg, send_msg
+from cleaner_jax.tools._mounts import python_paths, setup_mounts, under_tmp, untraversable_ancestors
 
 _REPORT_FD = 3
 _DRAIN_S = 2.0  # how long S keeps reading pipes after B is gone (leftovers are being killed)
@@ -75,93 +76,6 @@ class Isolation:
     mount_namespace: bool
     unprivileged_uid: bool
     notes: tuple[str, ...]
-
-
-# ---------------------------------------------------------------- framing
-
-def send_msg(fd: int, obj: Any) -> None:
-    data = json.dumps(obj).encode()
-    view = memoryview(struct.pack(">I", len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def recv_exact(fd: int, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, n - got)
-        if not chunk:
-            raise EOFError(f"pipe closed after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def recv_msg(fd: int) -> Any:
-    (n,) = struct.unpack(">I", recv_exact(fd, 4))
-    return json.loads(recv_exact(fd, n))
-
-
-# ---------------------------------------------------------------- mount namespace of S
-
-def _untraversable_ancestors(paths: list[str]) -> dict[str, set[str]]:
-    """{dir that 'other' users cannot enter (no o+x): names below it that `paths` go through}.
-
-    Example: the interpreter lives in /root/.pyenv and /root is 0700, so the unprivileged uid
-    could not import the stdlib; {"/root": {".pyenv"}} makes S mount an empty tmpfs on /root
-    holding only a bind mount of /root/.pyenv (nothing else in /root becomes visible)."""
-    found: dict[str, set[str]] = {}
-    for path in paths:
-        parts = os.path.realpath(path).strip("/").split("/")
-        for i in range(len(parts)):
-            ancestor = "/" + "/".join(parts[:i])
-            if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-                found.setdefault(ancestor, set()).add(parts[i])
-                break
-    return found
-
-
-def _python_paths() -> list[str]:
-    paths = [p for p in sys.path if p and os.path.exists(p)]
-    return paths + [sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)]
-
-
-def _under_tmp(paths: list[str]) -> list[str]:
-    """The outermost of `paths` that live below /tmp (a venv or checkout there must stay
-    visible once /tmp is replaced by the private tmpfs, or the interpreter loses its packages)."""
-    inside = sorted({os.path.realpath(p) for p in paths if os.path.realpath(p).startswith("/tmp/")})
-    return [p for i, p in enumerate(inside) if not any(p.startswith(q + "/") for q in inside[:i])]
-
-
-def _setup_mounts(tmp_size_mb: int, uid: int | None, hidden: dict[str, set[str]], keep_in_tmp: list[str]) -> None:
-    """Private mount namespace for S and its children: a size-capped tmpfs (owned by the
-    code's uid) on /tmp, also seen at /var/tmp and /dev/shm, so the code can neither fill the
-    host disk nor see other /tmp files; `hidden` dirs replaced as described above;
-    `keep_in_tmp` (the interpreter's own paths below /tmp) bind-mounted back at their places."""
-    _linux.unshare(_linux.CLONE_NEWNS)
-    _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
-    for parent, children in sorted(hidden.items()):
-        fds = {c: os.open(os.path.join(parent, c), os.O_PATH) for c in children}
-        _linux.mount("tmpfs", parent, "tmpfs", 0, "mode=755,size=64k")
-        for child, fd in fds.items():
-            target = os.path.join(parent, child)
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.mkdir(target)
-            else:
-                open(target, "w").close()
-            _linux.mount(f"/proc/self/fd/{fd}", target, None, _linux.MS_BIND | _linux.MS_REC)
-            os.close(fd)
-    owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    keep = {path: os.open(path, os.O_PATH) for path in keep_in_tmp}
-    _linux.mount("tmpfs", "/tmp", "tmpfs", 0, f"size={tmp_size_mb}m,mode=700{owner}")
-    for path, fd in keep.items():  # read-only: neither the code nor the work-dir cleanup may touch them
-        os.makedirs(path, exist_ok=True)
-        _linux.mount(f"/proc/self/fd/{fd}", path, None, _linux.MS_BIND | _linux.MS_REC)
-        _linux.mount(None, path, None, _linux.MS_BIND | _linux.MS_REMOUNT | _linux.MS_RDONLY)
-        os.close(fd)
-    for shared_tmp in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(shared_tmp):
-            _linux.mount("/tmp", shared_tmp, None, _linux.MS_BIND)
 
 
 # ---------------------------------------------------------------- reaper R
@@ -521,8 +435,8 @@ def _start(cfg: WorkerConfig) -> _Server:
         network = False
         notes.append(f"no network namespace ({e}): sandboxed code CAN reach the network")
     try:
-        hidden = _untraversable_ancestors(_python_paths()) if cfg.uid is not None else {}
-        _setup_mounts(cfg.tmp_size_mb, cfg.uid, hidden, _under_tmp(_python_paths()))
+        hidden = untraversable_ancestors(python_paths()) if cfg.uid is not None else {}
+        setup_mounts(cfg.tmp_size_mb, cfg.uid, hidden, under_tmp(python_paths()))
         mount_ns, workdir = True, "/tmp"
     except OSError as e:
         mount_ns = False

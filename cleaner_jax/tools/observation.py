@@ -1,6 +1,6 @@
 """The tool-observation text the model sees after a code call, and error labels for metrics.
 
-Faithful mode rebuilds the authors' text (research/open_cleaner.md §1.6): a
+Faithful mode rebuilds the authors' text (docs/authors.md §1.6): a
 `Tool call success` / `Tool call failure` header, a `reason: ...` line on failure, then
 `stdout: ...` and `stderr: ...` lines when non-empty (each stream cut to its first 1000
 characters by their sandbox), all joined by newlines, then middle-truncated to 256 characters
