@@ -1,208 +1,410 @@
-"""The one config schema of a training run, and its start-up validation.
+"""The run config: one typed section per concern, declared once, as the ml-collections config
+that `--config configs/x.py --config.a.b=v` edits and as the typed `RunConfig` it validates to.
 
-Every config file in `configs/` starts from `base_config()` and changes values; the returned
-ConfigDict is locked, so assigning a key that the schema does not have (in the file or as a
-`--config.a.b=...` override) fails at once with the key's name. `validate()` then rejects
-contradictory or out-of-range values before any model is loaded. Defaults are the authors'
-faithful choices (research/open_cleaner.md); each deviation is a named option.
+Each key is a field of a frozen dataclass (`cleaner_jax.schema`): the component configs are the
+sections where they exist (`saar` is `SaarConfig`, `agent` is `AgentConfig`); the other
+sections are declared below, and keys that are a component field under another name borrow it
+(`algo.loss` is `LossConfig.kind`). From these declarations `base_config()` generates the locked
+ConfigDict every file in `configs/` starts from, and `validate()` converts it back, rejecting an
+unknown or missing key, a wrong type, a value outside its allowed values or range, and (in
+`_check_combinations`, the one place for rules across keys) contradictory values, always as
+`config.<section>.<key>: ...` with what is allowed. Defaults are the authors' faithful choices
+(docs/authors.md); each deviation is a named option.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 import os
+import typing
+from typing import Literal
 
 import ml_collections
 
-from cleaner_jax.models.config import REMAT_POLICIES
+from cleaner_jax import schema
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.data import livecodebench
+from cleaner_jax.data.benchmarks import USER_BENCHMARKS, check_user_file, parse_eval_spec
+from cleaner_jax.data.filter import FILTERED_SUFFIX
+from cleaner_jax.data.problems import BENCHMARKS
+from cleaner_jax.eval.settings import EvalSettings, parse_overrides, settings_for
+from cleaner_jax.models.config import ARCHITECTURES, ATTENTION_IMPLS, REMAT_POLICIES, DtypeName
+from cleaner_jax.rewards.choice import MODES as CHOICE_MODES
+from cleaner_jax.rewards.code import THINK_SPLITS
+from cleaner_jax.rl.advantages import Estimator
+from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.loss_scale import LossScaleConfig
+from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.rl.step import StepConfig
+from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
+from cleaner_jax.saar.config import SaarConfig
+from cleaner_jax.schema import ConfigError, borrow, field, section
 
-# Keys whose value may legitimately be None in a finished config (placeholders are typed so
-# that overrides are type-checked by ml_collections).
-_OPTIONAL = ml_collections.config_dict.placeholder
+__all__ = ["ConfigError", "RunConfig", "base_config", "check_override_keys", "validate"]
+
+ModelFamily = Literal[tuple(ARCHITECTURES)]
+TOY = "toy"  # data.train / data.eval: the built-in arithmetic task
+
+
+@section
+class ModelConfig:
+    path: str | None = field(None, help="a local HF checkpoint directory (never downloaded)")
+    tiny_init: bool = field(False, help="build a random tiny checkpoint in the workdir instead (toy run)")
+    tiny_family: ModelFamily = field("qwen3", help="architecture of the tiny checkpoint")
+    tiny_hidden_size: int = field(64, ge=1, help="hidden size of the tiny checkpoint")
+    tiny_num_layers: int = field(2, ge=1, help="decoder layers of the tiny checkpoint")
+    param_dtype: DtypeName = field("float32", help="dtype of the stored parameters (and Adam moments)")
+    compute_dtype: DtypeName = field("float32", help="dtype of the forward pass")
+    attention_impl: Literal[ATTENTION_IMPLS] = field("xla", help="cudnn: GPU only")
+    remat: Literal[REMAT_POLICIES] = field("none", help="activation rematerialisation per decoder layer")
+
+
+@section
+class DataConfig:
+    train: str = field(TOY, help="'toy' (built-in arithmetic task) or a local .parquet/.jsonl path")
+    train_limit: int | None = field(None, ge=1, help="use only the first N training rows (a file dataset)")
+    eval: str = field(TOY, help="comma-separated benchmarks: 'toy', shipped names (aime24,aime25,...) and user files "
+                      "as NAME=PATH (gpqa_diamond=/d/gpqa.parquet,livecodebench=/d/lcb.jsonl); '' for none")
+    eval_limit: int | None = field(None, ge=1, help="problems per benchmark; None = all (the generated toy set needs N)")
+    seed: int | None = field(
+        None, ge=0, help="order in which training problems are drawn; None: train.seed (set it to hold the data "
+        "order fixed while train.seed varies the rollouts)")
+    toy_max_operand: int = field(99, ge=2, help="toy task: operands in [2, toy_max_operand]")
+    toy_num_ops: int = field(2, ge=1, help="toy task: operators per expression")
+    lcb_start_date: str | None = field(
+        None, help="livecodebench: keep problems with contest_date >= this day (YYYY-MM-DD, LiveCodeBench's "
+        "--start_date); the authors' v6 window is 2025-02-01..2025-05-31")
+    lcb_end_date: str | None = field(
+        None, help="livecodebench: keep problems with contest_date <= this day at 00:00 (YYYY-MM-DD, LiveCodeBench's "
+        "--end_date)")
+
+
+@section
+class RolloutConfig:
+    backend: Literal["embedded", "sglang"] = field(
+        "embedded", help="embedded: our server, started by the trainer; sglang: servers at rollout.server_urls")
+    server_urls: str = field("", help="comma-separated SGLang server URLs (backend=sglang)")
+    decode_backend: Literal[DECODE_BACKENDS] = field(
+        "auto", help="the embedded engine's decode kernels: auto (fastest that builds), xla, cpu_kernels")
+    temperature = borrow(LearnerConfig, "temperature")
+    top_p: float = field(1.0, gt=0.0, le=1.0, help="nucleus sampling of training rollouts")
+    top_k: int = field(-1, ge=-1, help="top-k sampling; -1 = off")
+    request_timeout_s: float = field(600.0, gt=0.0, help="seconds per generation request")
+
+
+@section
+class SandboxConfig:
+    workers: int = field(4, ge=1, help="sandbox worker processes")
+    timeout_s: float = field(4.0, gt=0.0, help="seconds per code execution")
+    memory_mb: int = field(512, ge=1, help="memory limit per execution")
+
+
+@section
+class RewardConfig:
+    math_mode: Literal["strict", "equivalence"] = field(
+        "strict", help="strict: the authors' last-boxed exact match; equivalence: math-verify")
+    overlong_buffer: int = field(4096, ge=0, help="DAPO overlong shaping buffer in tokens; 0 disables it")
+    overlong_factor: float = field(1.0, ge=0.0, help="DAPO overlong penalty factor")
+    think_split: Literal[THINK_SPLITS] = field(
+        "faithful", help="code rewards after </think>: faithful = the authors' split('</think>')[1] (their bug for "
+        "multi-turn thinking output), last = the text after the last </think>")
+    choice_mode: Literal[CHOICE_MODES] = field(
+        "faithful", help="multiple choice (GPQA): faithful = the last boxed letter exactly (the authors); lenient also "
+        "accepts (B), \\text{B}, B)")
+
+
+@section
+class AlgoConfig:
+    loss = borrow(LossConfig, "kind")
+    advantage: Estimator = field("grpo", help="group advantage estimator")
+    adv_eps: float = field(1e-6, gt=0.0, help="std-normalisation epsilon")
+    group_size: int = field(16, ge=1, help="responses per prompt")
+    prompts_per_step: int = field(128, ge=1, help="prompts per RL step")
+    mini_batches_per_step = borrow(OptimizerConfig, "updates_per_lr_step", default=4)  # authors: ppo_mini_batch
+    micro_batch_size = borrow(LearnerConfig, "micro_batch_size", default=8)
+    dynamic_sampling: bool = field(False, help="DAPO group filtering (off in the authors' runs)")
+    dynamic_sampling_max_rounds: int = field(3, ge=1, help="dynamic sampling: rollout rounds per step at most")
+    clip_low = borrow(LossConfig, "clip_low")
+    clip_high = borrow(LossConfig, "clip_high")
+    dual_clip = borrow(LossConfig, "dual_clip_c")
+    loss_agg = borrow(LossConfig, "agg")
+    entropy_coef = borrow(LossConfig, "entropy_coef")
+    old_logprobs = borrow(StepConfig, "old_logprobs")
+    tis = borrow(LossConfig, "tis")
+    tis_cap = borrow(LossConfig, "tis_cap")
+    tis_mode = borrow(LossConfig, "tis_mode")
+    nll_sequences = borrow(LossConfig, "nll_sequences")
+    adv_std_floor = borrow(StepConfig, "std_floor")
+    adv_singleton = borrow(StepConfig, "singleton")
+    exclude_zero_adv_groups = borrow(StepConfig, "exclude_zero_adv_groups")
+    logprob_chunk = borrow(LearnerConfig, "logprob_chunk_size")
+
+
+@section
+class OptimConfig:
+    lr = borrow(OptimizerConfig, "learning_rate")
+    warmup_steps = borrow(OptimizerConfig, "warmup_steps")
+    weight_decay = borrow(OptimizerConfig, "weight_decay")
+    b1 = borrow(OptimizerConfig, "b1")
+    b2 = borrow(OptimizerConfig, "b2")
+    grad_clip = borrow(OptimizerConfig, "max_grad_norm")
+
+
+@section
+class MeshConfig:
+    fsdp: int = field(-1, ge=-1, help="FSDP axis size; -1: all devices not used by tp")
+    tp: int = field(1, ge=1, help="tensor-parallel axis size")
+
+
+@section
+class WarmupSftConfig:
+    """Toy only: an RA-SFT analogue from a scripted teacher."""
+
+    steps: int = field(0, ge=0, help="supervised warm-start steps before RL (toy task only)")
+    lr: float = field(3e-3, gt=0.0, help="warm-start learning rate")
+    examples: int = field(256, ge=1, help="scripted demonstrations")
+    error_rate: float = field(0.3, ge=0.0, le=1.0, help="share of demonstrations with a failed-then-fixed call")
+    batch_size: int = field(16, ge=1, help="warm-start batch size")
+
+
+@section
+class TrainConfig:
+    steps: int = field(235, ge=0, help="RL steps")
+    seed: int = field(
+        0, ge=0, help="the run's seed: tiny-model init, warm start, data order (unless data.seed), every "
+        "rollout's sampling seed and the evaluation seeds")
+    eval_every: int = field(10, ge=0, help="evaluate every N steps (and after the last); 0 = never")
+    eval_before_train: bool = field(False, help="evaluate once before the first step")
+    checkpoint_every: int = field(10, ge=1, help="checkpoint every N steps (and after the last)")
+    weight_sync_probe_tol: float = field(0.05, ge=0.0, help="mean |Δlogprob| allowed after a weight sync")
+    dump_trajectories: bool = field(True, help="write each step's episodes under the workdir")
+    loss_scale_init = borrow(LossScaleConfig, "init_scale")
+    loss_scale_growth_interval = borrow(LossScaleConfig, "growth_interval")
+    max_consecutive_skips: int = field(
+        20, ge=1, help="stop the run (after writing a checkpoint) once this many optimizer updates in a row were "
+        "skipped for a non-finite loss or gradient")
+
+
+@section
+class EvalConfig:
+    """Evaluation (`evaluate` and the trainer's periodic one), separate from training's sampling."""
+
+    n = borrow(EvalSettings, "n")
+    temperature = borrow(EvalSettings, "temperature")
+    top_p = borrow(EvalSettings, "top_p")
+    top_k = borrow(EvalSettings, "top_k")
+    saar = borrow(EvalSettings, "saar")
+    overrides: str = field(
+        "", help="per-benchmark settings, e.g. 'aime24:n=32,temperature=0.6;livecodebench:n=10,saar=off' "
+        "(keys: n, temperature, top_p, top_k, saar)")
+    saar_rollback_probability: float = field(
+        1.0, ge=0.0, le=1.0, help="SAAR at evaluation: per-trajectory probability that it is on (authors' eval: 1.0)")
+    seed: int | None = field(None, ge=0, help="evaluation sampling seed; None: train.seed")
+    bootstrap_resamples: int = field(1000, ge=1, help="resamples of best@k, maj@k and the CI (authors: 1000)")
+    bootstrap_seed: int = field(42, ge=0, help="seed of the bootstrap (authors: 42)")
+    ci_level: float = field(0.95, gt=0.0, lt=1.0, help="confidence level of the interval of mean@n over problems")
+    max_concurrent_problems: int = field(
+        16, ge=1, help="problems evaluated at once (each with its n samples); results do not depend on it")
+    resume: bool = field(True, help="evaluate: skip problems already in <out>/samples/*.jsonl; False: start afresh")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The validated run config; `agent.saar` is the `saar` section."""
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    agent: AgentConfig
+    saar: SaarConfig
+    sandbox: SandboxConfig
+    reward: RewardConfig
+    algo: AlgoConfig
+    optim: OptimConfig
+    mesh: MeshConfig
+    warmup_sft: WarmupSftConfig
+    train: TrainConfig
+    eval: EvalConfig
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)
 
 
 def base_config() -> ml_collections.ConfigDict:
+    """Every key at its default, locked: assigning a key the schema does not have fails at once."""
     c = ml_collections.ConfigDict()
-
-    c.model = ml_collections.ConfigDict()
-    c.model.path = _OPTIONAL(str)  # local HF checkpoint directory (never downloaded)
-    c.model.tiny_init = False  # build a random tiny checkpoint in the workdir instead (toy run)
-    c.model.tiny_family = "qwen3"
-    c.model.tiny_hidden_size = 64
-    c.model.tiny_num_layers = 2
-    c.model.param_dtype = "float32"  # float32 | bfloat16 | float16
-    c.model.compute_dtype = "float32"
-    c.model.attention_impl = "xla"  # xla | cudnn (GPU only)
-    c.model.remat = "none"  # none | full | dots | dots_no_batch (per decoder layer)
-
-    c.data = ml_collections.ConfigDict()
-    c.data.train = "toy"  # "toy" (built-in arithmetic task) or a local .parquet/.jsonl path
-    c.data.train_limit = _OPTIONAL(int)
-    c.data.eval = "toy"  # "toy", a shipped benchmark name(s) "aime24,aime25", or "" for none
-    c.data.eval_limit = _OPTIONAL(int)
-    c.data.seed = 0
-    c.data.toy_max_operand = 99  # toy task: operands in [2, toy_max_operand]
-    c.data.toy_num_ops = 2  # toy task: operators per expression
-
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.backend = "embedded"  # embedded (our server, started by the trainer) | sglang
-    c.rollout.server_urls = ""  # comma-separated, for backend=sglang
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.top_k = -1
-    c.rollout.eval_top_p = 0.6
-    c.rollout.eval_n = 16
-    c.rollout.request_timeout_s = 600.0
-
-    c.agent = ml_collections.ConfigDict()
-    c.agent.max_assistant_turns = 16
-    c.agent.max_user_turns = 16
-    c.agent.max_prompt_tokens = 2560
-    c.agent.max_response_tokens = 20480
-    c.agent.observation_mode = "faithful"  # faithful | full
-    c.agent.observation_max_chars = 256
-    c.agent.chunk_template = "faithful"  # faithful (no newline after <|im_end|>) | canonical
-    c.agent.use_tools = True  # False = the authors' *_notool baselines
-
-    c.saar = ml_collections.ConfigDict()
-    c.saar.enable = True
-    c.saar.max_retries = 3  # K
-    c.saar.gamma = 0.5  # deep (full-turn) replacement iff similarity < gamma
-    c.saar.rollback_probability = 1.0
-    c.saar.similarity = "call"  # call (authors: decoded call segment) | code (code only)
-    c.saar.autojunk = True  # authors' difflib default; False is the measured-better option
-    c.saar.logprob_mode = "recompute"  # recompute (authors' code) | rollout (paper §4.3)
-    c.saar.keep_failed_attempts = False  # negative-sample stream for later study
-
-    c.sandbox = ml_collections.ConfigDict()
-    c.sandbox.workers = 4
-    c.sandbox.timeout_s = 4.0
-    c.sandbox.memory_mb = 512
-
-    c.reward = ml_collections.ConfigDict()
-    c.reward.math_mode = "strict"  # strict (authors) | equivalence (math-verify)
-    c.reward.overlong_buffer = 4096  # tokens; 0 disables DAPO overlong shaping
-    c.reward.overlong_factor = 1.0
-
-    c.algo = ml_collections.ConfigDict()
-    c.algo.loss = "ppo"  # ppo | nll (plain NLL on purified trajectories: the imitation control)
-    c.algo.advantage = "grpo"  # grpo | drgrpo | rloo
-    c.algo.adv_eps = 1e-6
-    c.algo.group_size = 16  # responses per prompt
-    c.algo.prompts_per_step = 128
-    c.algo.mini_batches_per_step = 4  # policy updates per rollout batch (ppo_mini_batch)
-    c.algo.micro_batch_size = 8  # sequences per gradient-accumulation micro-batch
-    c.algo.dynamic_sampling = False  # DAPO group filtering (off in the authors' runs)
-    c.algo.dynamic_sampling_max_rounds = 3
-    c.algo.clip_low = 0.2
-    c.algo.clip_high = 0.28
-    c.algo.dual_clip = 10.0
-    c.algo.loss_agg = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    c.algo.kl_coef = 0.0
-    c.algo.kl_type = "k3"  # k1 | k3
-    c.algo.entropy_coef = 0.0
-    c.algo.tis = "none"  # none | token | sequence (truncated IS vs rollout log-probs)
-    c.algo.tis_cap = 2.0
-    c.algo.logprob_chunk = 1024  # tokens per chunk in log-prob/entropy computation
-
-    c.optim = ml_collections.ConfigDict()
-    c.optim.lr = 2e-6
-    c.optim.warmup_steps = 20
-    c.optim.weight_decay = 0.01
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.999
-    c.optim.grad_clip = 1.0
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.fsdp = -1  # -1: all devices not used by tp
-    c.mesh.tp = 1
-
-    c.warmup_sft = ml_collections.ConfigDict()  # toy only: RA-SFT analogue from a scripted teacher
-    c.warmup_sft.steps = 0
-    c.warmup_sft.lr = 3e-3
-    c.warmup_sft.examples = 256
-    c.warmup_sft.error_rate = 0.3
-    c.warmup_sft.batch_size = 16
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 235
-    c.train.seed = 0
-    c.train.eval_every = 10
-    c.train.eval_before_train = False
-    c.train.checkpoint_every = 10
-    c.train.log_every = 1
-    c.train.weight_sync_probe_tol = 0.05  # mean |Δlogprob| allowed after a weight sync
-    c.train.dump_trajectories = True
+    for name, cls in SECTIONS.items():
+        sub = ml_collections.ConfigDict()
+        for key, (tp, default) in schema.defaults(cls).items():
+            optional, inner = schema.split_optional(tp)
+            if optional:  # typed, so that `--config.a.b=v` parses v as the right type
+                scalar = str if typing.get_origin(inner) is Literal else inner
+                sub[key] = ml_collections.FieldReference(default, field_type=scalar)
+            else:
+                sub[key] = default
+        c[name] = sub
     c.lock()
     return c
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
+def check_override_keys(argv: Sequence[str], flag: str = "config") -> None:
+    """Reject `--config.a.b=v` overrides whose key the schema does not have, before absl parses
+    them (absl would stop with a traceback), naming the key and the section's keys."""
+    base = base_config()
+    prefix = f"--{flag}."
+    for arg in argv:
+        if not arg.startswith(prefix):
+            continue
+        path = arg[len(prefix):].split("=", 1)[0].split(".")
+        node, where = base, flag
+        for name in path:
+            if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+                known = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else "none"
+                raise ConfigError(f"{where}.{name}: unknown key (in {arg!r}); {where} has: {known}")
+            node, where = node[name], f"{where}.{name}"
 
 
-def _check(ok: bool, key: str, msg: str) -> None:
+def validate(c: ml_collections.ConfigDict) -> RunConfig:
+    """`c` as the typed RunConfig; raises ConfigError naming the first key that cannot work."""
+    values = c.to_dict()
+    unknown = sorted(set(values) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"config.{unknown[0]}: unknown section; the sections are: {', '.join(SECTIONS)}")
+    for name in SECTIONS:
+        if not isinstance(values.get(name), dict):
+            raise ConfigError(f"config.{name}: missing section; start the config from cleaner_jax.config.base_config()")
+    built = {name: schema.build(cls, values[name], f"config.{name}") for name, cls in SECTIONS.items()
+             if name != "agent"}
+    built["agent"] = schema.build(AgentConfig, values["agent"], "config.agent", saar=built["saar"])
+    run = RunConfig(**built)
+    _check_combinations(run)
+    return run
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"config.{key}: {msg}")
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
-    """Reject impossible or contradictory values at start-up, naming the key."""
-    _check(c.model.tiny_init or c.model.path is not None, "model.path",
-           "no checkpoint given: set --config.model.path=DIR (a local HF directory) or model.tiny_init=True")
-    if c.model.path is not None and not c.model.tiny_init:
-        _check(os.path.isdir(c.model.path), "model.path", f"{c.model.path!r} is not a directory")
-    for key in ("param_dtype", "compute_dtype"):
-        _check(c.model[key] in ("float32", "bfloat16", "float16"), f"model.{key}",
-               f"{c.model[key]!r} is not one of float32, bfloat16, float16")
-    _check(c.model.attention_impl in ("xla", "cudnn"), "model.attention_impl", "must be xla or cudnn")
-    _check(c.model.remat in REMAT_POLICIES, "model.remat", f"{c.model.remat!r} is not one of {REMAT_POLICIES}")
-    if c.data.train != "toy":
-        _check(os.path.exists(c.data.train), "data.train",
-               f"training data {c.data.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
-    _check(c.data.toy_max_operand >= 2, "data.toy_max_operand", "must be >= 2")
-    _check(c.data.toy_num_ops >= 1, "data.toy_num_ops", "must be >= 1")
-    _check(c.rollout.backend in ("embedded", "sglang"), "rollout.backend", "must be embedded or sglang")
-    _check(c.rollout.backend != "sglang" or bool(c.rollout.server_urls), "rollout.server_urls",
-           "backend=sglang needs at least one server URL")
-    _check(c.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
-    _check(0 < c.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-    _check(0 <= c.saar.gamma <= 1, "saar.gamma", f"{c.saar.gamma} is outside [0, 1]")
-    _check(c.saar.max_retries >= 0, "saar.max_retries", f"K={c.saar.max_retries} must be >= 0")
-    _check(0 <= c.saar.rollback_probability <= 1, "saar.rollback_probability", "must be in [0, 1]")
-    _check(c.saar.similarity in ("call", "code"), "saar.similarity", "must be call or code")
-    _check(c.saar.logprob_mode in ("recompute", "rollout"), "saar.logprob_mode", "must be recompute or rollout")
-    _check(not (c.saar.enable and c.saar.logprob_mode == "rollout" and c.rollout.temperature != 1.0),
-           "saar.logprob_mode", "rollout mode re-scores spliced spans on the rollout server, which (like SGLang) "
-           "scores prompts untempered: it needs rollout.temperature=1.0 (or use logprob_mode=recompute)")
-    _check(not (c.saar.enable and not c.agent.use_tools), "saar.enable",
-           "SAAR needs tools: agent.use_tools=False (a notool baseline) requires saar.enable=False")
-    _check(c.agent.observation_mode in ("faithful", "full"), "agent.observation_mode", "must be faithful or full")
-    _check(c.agent.chunk_template in ("faithful", "canonical"), "agent.chunk_template", "must be faithful or canonical")
-    _check(c.agent.max_assistant_turns >= 1, "agent.max_assistant_turns", "must be >= 1")
-    _check(c.reward.math_mode in ("strict", "equivalence"), "reward.math_mode", "must be strict or equivalence")
-    _check(0 <= c.reward.overlong_buffer < c.agent.max_response_tokens, "reward.overlong_buffer",
-           "must be in [0, agent.max_response_tokens)")
-    _check(c.algo.loss in ("ppo", "nll"), "algo.loss", "must be ppo or nll")
-    _check(c.algo.advantage in ("grpo", "drgrpo", "rloo"), "algo.advantage", "must be grpo, drgrpo or rloo")
-    _check(c.algo.group_size >= 1, "algo.group_size", "must be >= 1")
-    _check(c.algo.advantage != "rloo" or c.algo.group_size >= 2, "algo.advantage", "rloo needs group_size >= 2")
-    seqs = c.algo.group_size * c.algo.prompts_per_step
-    _check(seqs % c.algo.mini_batches_per_step == 0, "algo.mini_batches_per_step",
-           f"{seqs} sequences per step do not split into {c.algo.mini_batches_per_step} mini-batches")
-    mini = seqs // c.algo.mini_batches_per_step
-    _check(mini % c.algo.micro_batch_size == 0, "algo.micro_batch_size",
-           f"a mini-batch of {mini} sequences does not split into micro-batches of {c.algo.micro_batch_size}")
-    _check(0 <= c.algo.clip_low < 1 and c.algo.clip_high >= 0, "algo.clip_low", "clip ranges must be in [0, 1)")
-    _check(c.algo.dual_clip > 1, "algo.dual_clip", "dual-clip c must be > 1")
-    _check(c.algo.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"), "algo.loss_agg",
-           "must be token-mean, seq-mean-token-sum or seq-mean-token-mean")
-    _check(c.algo.kl_type in ("k1", "k3"), "algo.kl_type", "must be k1 or k3")
-    _check(c.algo.tis in ("none", "token", "sequence"), "algo.tis", "must be none, token or sequence")
-    _check(not (c.algo.tis != "none" and c.saar.enable and c.saar.logprob_mode == "recompute"), "algo.tis",
-           "truncated IS needs rollout log-probs of the purified tokens: use saar.logprob_mode=rollout or saar.enable=False")
-    _check(c.warmup_sft.steps == 0 or c.warmup_sft.examples >= c.warmup_sft.batch_size, "warmup_sft.examples",
-           f"{c.warmup_sft.examples} demonstrations cannot fill a batch of warmup_sft.batch_size={c.warmup_sft.batch_size}")
-    _check(c.warmup_sft.steps == 0 or c.data.train == "toy", "warmup_sft.steps",
-           "the scripted-teacher warm start exists for the toy task only (data.train='toy')")
-    _check(c.optim.lr > 0, "optim.lr", "must be > 0")
-    _check(c.mesh.tp >= 1, "mesh.tp", "must be >= 1")
-    _check(c.train.steps >= 0, "train.steps", "must be >= 0")
+def _check_combinations(r: RunConfig) -> None:
+    """Rules across keys (and the few a range cannot say), in one place."""
+    m, d, ro, a, s = r.model, r.data, r.rollout, r.algo, r.saar
+    # model and data
+    _require(m.tiny_init or m.path is not None, "model.path",
+             "no checkpoint given: set --config.model.path=DIR (a local HF directory) or model.tiny_init=True")
+    _require(not (m.tiny_init and m.path is not None), "model.path",
+             f"{m.path!r} is set together with model.tiny_init=True, which builds a random checkpoint instead; "
+             "unset one of them")
+    if m.path is not None:
+        _require(os.path.isdir(m.path), "model.path", f"{m.path!r} is not a directory")
+    if d.train != TOY and d.train.endswith(FILTERED_SUFFIX):
+        _require(os.path.exists(d.train), "data.train",
+                 f"the difficulty-filtered training set {d.train!r} does not exist yet: make it from the released "
+                 f"Open-AgentRL-30K parquet with `python -m cleaner_jax.data.filter --input "
+                 f"/path/to/Open-AgentRL-30K.parquet --output {d.train}` (the authors' 7B filter, "
+                 "docs/authors.md §7.3)")
+    elif d.train != TOY:
+        _require(os.path.exists(d.train), "data.train",
+                 f"training data {d.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
+    _require(d.train != TOY or d.train_limit is None, "data.train_limit",
+             "the toy task is generated without end; a limit applies to a file dataset only")
+    try:
+        entries = parse_eval_spec(d.eval)
+    except ValueError as e:
+        raise ConfigError(f"config.data.eval: {e}") from None
+    for name, path in entries:
+        _require(name in (TOY, *BENCHMARKS, *USER_BENCHMARKS), "data.eval",
+                 f"unknown benchmark {name!r}; use 'toy' or one of {', '.join(sorted(BENCHMARKS))} (shipped), or a "
+                 f"user file as NAME=PATH ({', '.join(f'{n}=PATH' for n in USER_BENCHMARKS)})")
+        _require(name != TOY or path is None, "data.eval", "the toy benchmark is generated: name it without a path")
+        problem = check_user_file(name, path)
+        _require(problem is None, "data.eval", str(problem))
+    names = [name for name, _ in entries]
+    _require(TOY not in names or d.eval_limit is not None, "data.eval_limit",
+             "the toy benchmark is generated: give its size, e.g. --config.data.eval_limit=16")
+    for key, day in (("lcb_start_date", d.lcb_start_date), ("lcb_end_date", d.lcb_end_date)):
+        if day is None:
+            continue
+        _require(livecodebench.NAME in names, f"data.{key}",
+                 f"{day!r} windows LiveCodeBench, which data.eval does not name (add livecodebench=PATH or unset it)")
+        try:
+            livecodebench.parse_day(day)
+        except ValueError:
+            raise ConfigError(f"config.data.{key}: {day!r} is not a day in YYYY-MM-DD form") from None
+    _require(d.lcb_start_date is None or d.lcb_end_date is None
+             or livecodebench.parse_day(d.lcb_start_date) <= livecodebench.parse_day(d.lcb_end_date),
+             "data.lcb_end_date", f"{d.lcb_end_date!r} is before data.lcb_start_date={d.lcb_start_date!r}")
+    # rollout
+    _require(ro.backend != "sglang" or bool(ro.server_urls.strip()), "rollout.server_urls",
+             "backend=sglang needs at least one server URL")
+    _require(ro.backend == "embedded" or ro.decode_backend == "auto", "rollout.decode_backend",
+             f"{ro.decode_backend!r} selects the embedded engine's kernels, but rollout.backend={ro.backend!r}")
+    _require(ro.top_k != 0, "rollout.top_k", "0 is not allowed: use -1 (off) or k >= 1")
+    _require(r.mesh.fsdp != 0, "mesh.fsdp", "0 is not allowed: use -1 (all devices not used by tp) or a size >= 1")
+    # SAAR and the agent
+    _require(not (s.enable and s.logprob_mode == "rollout" and ro.temperature != 1.0), "saar.logprob_mode",
+             "rollout mode re-scores spliced spans on the rollout server, which (like SGLang) scores prompts "
+             "untempered: it needs rollout.temperature=1.0 (or use logprob_mode=recompute)")
+    _require(not (s.enable and not r.agent.use_tools), "saar.enable",
+             "SAAR needs tools: agent.use_tools=False (a notool baseline) requires saar.enable=False")
+    _require(r.reward.overlong_buffer < r.agent.max_response_tokens, "reward.overlong_buffer",
+             f"{r.reward.overlong_buffer} must be < agent.max_response_tokens={r.agent.max_response_tokens}")
+    # the RL step
+    _require(a.advantage != "rloo" or a.group_size >= 2, "algo.advantage", "rloo needs algo.group_size >= 2")
+    seqs = a.group_size * a.prompts_per_step
+    _require(seqs % a.mini_batches_per_step == 0, "algo.mini_batches_per_step",
+             f"{seqs} sequences per step do not split into {a.mini_batches_per_step} mini-batches")
+    mini = seqs // a.mini_batches_per_step
+    _require(mini % a.micro_batch_size == 0, "algo.micro_batch_size",
+             f"a mini-batch of {mini} sequences does not split into micro-batches of {a.micro_batch_size}")
+    _require(a.loss == "ppo" or a.tis == "none", "algo.tis",
+             f"truncated IS weights the ppo loss only; algo.loss={a.loss!r} would ignore it")
+    _require(a.loss == "nll" or a.nll_sequences == "all", "algo.nll_sequences",
+             f"applies to algo.loss='nll' only; algo.loss={a.loss!r} would ignore it")
+    _require(not (a.tis != "none" and s.enable and s.logprob_mode == "recompute" and s.splice_correction == "none"),
+             "algo.tis", "truncated IS needs rollout log-probs of the purified tokens: use saar.logprob_mode=rollout, "
+             "saar.enable=False, or a saar.splice_correction (spliced tokens then leave rollout IS)")
+    _require(a.tis != "none" or a.tis_mode == "truncate", "algo.tis_mode",
+             f"{a.tis_mode!r} applies to rollout IS, which is off (algo.tis='none')")
+    _require(a.tis_mode == "truncate" or a.tis_cap > 1.0, "algo.tis_cap",
+             f"tis_mode={a.tis_mode!r} keeps ratios in [1/cap, cap], which needs a cap > 1, got {a.tis_cap}")
+    _require(not (a.tis != "none" and a.old_logprobs == "rollout"), "algo.tis",
+             "rollout IS with algo.old_logprobs='rollout' (bypass) is pi_rollout / pi_rollout = 1: use "
+             "algo.old_logprobs='recompute' (decoupled, the authors' baselines) or algo.tis='none'")
+    _require(not (a.old_logprobs == "rollout" and s.enable and s.logprob_mode == "recompute"
+                  and s.splice_correction != "exclude"), "algo.old_logprobs",
+             "bypass mode trains against the rollout log-probs, which for spliced tokens are only re-scored "
+             "in the purified context with saar.logprob_mode=rollout (or use saar.splice_correction=exclude)")
+    _require(s.enable or s.splice_correction == "none", "saar.splice_correction",
+             f"{s.splice_correction!r} corrects SAAR's spliced tokens, but saar.enable=False splices none")
+    _require(a.loss == "ppo" or s.splice_correction in ("none", "exclude"), "saar.splice_correction",
+             f"{s.splice_correction!r} weights the ppo loss only; algo.loss={a.loss!r} (exclude works for nll too)")
+    _require(a.advantage == "grpo" or a.adv_std_floor == 0.0, "algo.adv_std_floor",
+             f"a floor on the std applies to grpo only; algo.advantage={a.advantage!r} does not divide by it")
+    # the toy warm start
+    w = r.warmup_sft
+    _require(w.steps == 0 or w.examples >= w.batch_size, "warmup_sft.examples",
+             f"{w.examples} demonstrations cannot fill a batch of warmup_sft.batch_size={w.batch_size}")
+    _require(w.steps == 0 or d.train == TOY, "warmup_sft.steps",
+             "the scripted-teacher warm start exists for the toy task only (data.train='toy')")
+    # evaluation
+    _require(r.eval.top_k != 0, "eval.top_k", "0 is not allowed: use -1 (off) or k >= 1")
+    with_saar = sorted(name for name, e in eval_settings(r).items() if e.saar != "off")
+    _require(r.agent.use_tools or not with_saar, "eval.saar",
+             f"SAAR needs tools, but agent.use_tools=False and SAAR is on at evaluation for {', '.join(with_saar)}: "
+             "set eval.saar=off (and no saar=on in eval.overrides)")
+
+
+def eval_benchmark_names(d: DataConfig) -> list[str]:
+    """The benchmark names of data.eval, in order (an entry `NAME=PATH` is named NAME)."""
+    return [name for name, _ in parse_eval_spec(d.eval)]
+
+
+def eval_settings(r: RunConfig) -> dict[str, EvalSettings]:
+    """Benchmark name -> its evaluation settings: the `eval` keys with its `eval.overrides`."""
+    names = eval_benchmark_names(r.data)
+    base = schema.gather(EvalSettings, r.eval)
+    # a config file may set a benchmark's settings before the command line names it in data.eval
+    known = list(dict.fromkeys([*names, TOY, *sorted(BENCHMARKS), *USER_BENCHMARKS]))
+    over = parse_overrides(r.eval.overrides, known)
+    return {name: settings_for(base, over.get(name, {}), f"config.eval.overrides: {name}") for name in names}

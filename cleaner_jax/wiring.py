@@ -1,5 +1,11 @@
-"""Wiring: the run config (cleaner_jax.config) mapped onto each component's own config, and
-the data sources it names. Shared by `train` and `evaluate`."""
+"""Wiring: the validated run config (cleaner_jax.config) as each component's own config, and
+the data sources it names. Shared by `train` and `evaluate`.
+
+Every function takes the ml-collections config the entry points hold and reads it through
+`config.validate`, so a value reaches a component only after its checks. The components'
+configs are the sections themselves (`agent`, `saar`) or are gathered from the keys that borrow
+their fields (`schema.gather`), so no key is mapped by hand here.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,66 +13,106 @@ from typing import Any
 
 import ml_collections
 
+from cleaner_jax import schema
 from cleaner_jax.agent.config import AgentConfig
-from cleaner_jax.saar.config import SaarConfig
-from cleaner_jax.toy import task as toy_task
-from cleaner_jax.data.problems import BENCHMARKS, Problem, load_agentrl, load_benchmark
+from cleaner_jax.config import TOY, DataConfig, validate
+from cleaner_jax.config import eval_settings as config_eval_settings
+from cleaner_jax.data.benchmarks import load_user_benchmark, parse_eval_spec
+from cleaner_jax.data.problems import Problem, load_agentrl, load_benchmark
+from cleaner_jax.eval.runner import BenchmarkSpec, EvalPlan
+from cleaner_jax.eval.settings import EvalSettings
 from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.loss_scale import LossScaleConfig
 from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.rl.step import StepConfig
+from cleaner_jax.toy import task as toy_task
+
+TOY_EVAL_SEED = 987_654  # the toy benchmark: fixed problems, disjoint from training seeds in practice
 
 
 def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
-    s = c.saar
-    return AgentConfig(
-        max_assistant_turns=c.agent.max_assistant_turns, max_user_turns=c.agent.max_user_turns,
-        max_prompt_tokens=c.agent.max_prompt_tokens, max_response_tokens=c.agent.max_response_tokens,
-        saar=SaarConfig(enable=s.enable, max_retries=s.max_retries, gamma=s.gamma,
-                        rollback_probability=s.rollback_probability, similarity=s.similarity,
-                        autojunk=s.autojunk, logprob_mode=s.logprob_mode,
-                        keep_failed_attempts=s.keep_failed_attempts))
+    return validate(c).agent
 
 
 def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
-    a = c.algo
-    return LearnerConfig(
-        loss=LossConfig(kind=a.loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip_c=a.dual_clip,
-                        agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_type, entropy_coef=a.entropy_coef,
-                        tis=a.tis, tis_cap=a.tis_cap),
-        optimizer=OptimizerConfig(learning_rate=c.optim.lr, warmup_steps=c.optim.warmup_steps,
-                                  updates_per_lr_step=a.mini_batches_per_step, b1=c.optim.b1, b2=c.optim.b2,
-                                  weight_decay=c.optim.weight_decay, max_grad_norm=c.optim.grad_clip),
-        micro_batch_size=a.micro_batch_size, logprob_micro_batch_size=a.micro_batch_size,
-        temperature=c.rollout.temperature if c.rollout.temperature > 0 else 1.0,
-        logprob_chunk_size=a.logprob_chunk)
+    r = validate(c)
+    return schema.gather(LearnerConfig, r.algo, r.rollout,
+                         loss=schema.gather(LossConfig, r.algo, splice_correction=r.saar.splice_correction,
+                                            splice_cap=r.saar.splice_cap),
+                         optimizer=schema.gather(OptimizerConfig, r.optim, r.algo),
+                         loss_scale=schema.gather(LossScaleConfig, r.train),
+                         logprob_micro_batch_size=r.algo.micro_batch_size)
+
+
+def step_config(c: ml_collections.ConfigDict, pad_id: int) -> StepConfig:
+    """The RL step's settings (`cleaner_jax.rl.step.rl_step`): the `algo` keys borrowed from
+    StepConfig, plus the response budget, the overlong shaping and the advantage estimator."""
+    r = validate(c)
+    return schema.gather(StepConfig, r.algo, max_response_tokens=r.agent.max_response_tokens,
+                         overlong_buffer=r.reward.overlong_buffer, overlong_factor=r.reward.overlong_factor,
+                         estimator=r.algo.advantage, adv_eps=r.algo.adv_eps,
+                         mini_batches=r.algo.mini_batches_per_step, pad_id=pad_id)
 
 
 def train_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    return {"temperature": c.rollout.temperature, "top_p": c.rollout.top_p, "top_k": c.rollout.top_k}
+    ro = validate(c).rollout
+    return {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
 
 
 def eval_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    return {**train_sampling(c), "top_p": c.rollout.eval_top_p}
+    """The evaluation's sampling before per-benchmark overrides (`eval.*`, not training's)."""
+    return schema.gather(EvalSettings, validate(c).eval).sampling()
+
+
+def eval_plan(c: ml_collections.ConfigDict) -> EvalPlan:
+    """The run-wide evaluation settings; the seed is `eval.seed`, else `train.seed`."""
+    r = validate(c)
+    e = r.eval
+    return EvalPlan(seed=r.train.seed if e.seed is None else e.seed, bootstrap_resamples=e.bootstrap_resamples,
+                    bootstrap_seed=e.bootstrap_seed, ci_level=e.ci_level,
+                    max_concurrent_problems=e.max_concurrent_problems,
+                    saar_rollback_probability=e.saar_rollback_probability, think_split=r.reward.think_split)
+
+
+def eval_specs(c: ml_collections.ConfigDict, benchmarks: dict[str, list[Problem]]) -> list[BenchmarkSpec]:
+    """Each benchmark with its settings (`eval.*` and its `eval.overrides` entry)."""
+    settings = config_eval_settings(validate(c))
+    return [BenchmarkSpec(name, problems, settings[name]) for name, problems in benchmarks.items()]
 
 
 def toy_problems(c: ml_collections.ConfigDict, n: int, seed: int) -> list[Problem]:
-    return toy_task.make_problems(n, seed=seed, max_operand=c.data.toy_max_operand, num_ops=c.data.toy_num_ops)
+    return _toy(validate(c).data, n, seed)
+
+
+def _toy(d: DataConfig, n: int, seed: int) -> list[Problem]:
+    return toy_task.make_problems(n, seed=seed, max_operand=d.toy_max_operand, num_ops=d.toy_num_ops)
 
 
 def training_problems(c: ml_collections.ConfigDict) -> list[Problem] | Callable[[int], Problem]:
     """The training set, or for the toy task an endless generator `seed -> Problem`."""
-    if c.data.train == "toy":
-        return lambda seed: toy_problems(c, 1, seed)[0]
-    return load_agentrl(c.data.train, limit=c.data.train_limit)
+    d = validate(c).data
+    if d.train == TOY:
+        return lambda seed: _toy(d, 1, seed)[0]
+    return load_agentrl(d.train, limit=d.train_limit)
 
 
 def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:
-    names = [n.strip() for n in c.data.eval.split(",") if n.strip()]
-    out = {}
-    for name in names:
-        if name == "toy":
-            out["toy"] = toy_problems(c, c.data.eval_limit or 16, seed=987_654)
-        elif name in BENCHMARKS:
-            out[name] = load_benchmark(name, tool=c.agent.use_tools, limit=c.data.eval_limit)
+    """Benchmark name -> problems, for the entries of data.eval (`NAME` or `NAME=PATH`, checked
+    by `validate`); a user file's rows are read and checked here, at start-up."""
+    r = validate(c)
+    d, out = r.data, {}
+    for name, path in parse_eval_spec(d.eval):
+        if name == TOY:  # validate requires data.eval_limit for it
+            out[TOY] = _toy(d, d.eval_limit, seed=TOY_EVAL_SEED)
+        elif path is None:
+            out[name] = load_benchmark(name, tool=r.agent.use_tools, limit=d.eval_limit)
         else:
-            raise ValueError(f"config.data.eval: unknown benchmark {name!r}; use 'toy' or one of {sorted(BENCHMARKS)}")
+            out[name] = load_user_benchmark(name, path, tool=r.agent.use_tools, limit=d.eval_limit,
+                                            lcb_start_date=d.lcb_start_date, lcb_end_date=d.lcb_end_date)
     return out
+
+
+def scorer_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The `reward` keys as `rewards.scorer.Scorer` keyword arguments."""
+    rw = validate(c).reward
+    return {"math_mode": rw.math_mode, "think_split": rw.think_split, "choice_mode": rw.choice_mode}

@@ -1,4 +1,4 @@
-"""Shared settings of the authors' paper runs (research/open_cleaner.md §4.1), one function per
+"""Shared settings of the authors' paper runs (docs/authors.md §4.1), one function per
 variant so every paper config differs from its siblings only where the authors' scripts do."""
 from cleaner_jax.config import base_config
 
@@ -29,8 +29,17 @@ def paper_config(*, model: str, cleaner: bool, tools: bool = True):
     c.saar.max_retries = 3
     c.saar.rollback_probability = 1.0 if model == "qwen3_4b" else 0.7
     c.agent.use_tools = tools
-    if not cleaner:  # baselines collect rollout log-probs and use sequence-level TIS, cap 2
-        c.saar.logprob_mode = "rollout"
+    # evaluation (docs/authors.md §8): T=1.0 and top_p=0.6 are the eval defaults; n=16 for Qwen3-4B,
+    # 32 for Qwen2.5-7B, 10 for LiveCodeBench; SAAR (K=3, p=1.0) only in the Qwen3-4B AIME/GPQA script
+    c.eval.n = 16 if model == "qwen3_4b" else 32
+    c.eval.saar = "on" if model == "qwen3_4b" and cleaner and tools else "off"
+    c.eval.saar_rollback_probability = 1.0
+    c.eval.overrides = "livecodebench:n=10,saar=off"
+    # every run recomputes old log-probs with the learner (decoupled mode, docs/authors.md §3)
+    c.algo.old_logprobs = "recompute"
+    if not cleaner:  # baselines collect rollout log-probs: truncated sequence-level IS, cap 2,
+        # weight min(exp(sum_t log pi_old - log pi_rollout), 2) on the policy loss
         c.algo.tis = "sequence"
+        c.algo.tis_mode = "truncate"
         c.algo.tis_cap = 2.0
     return c

@@ -1,4 +1,4 @@
-"""Paper run: qwen3_4b cleaner (research/open_cleaner.md §4.1). Needs --config.model.path and
+"""Paper run: qwen3_4b cleaner (docs/authors.md §4.1). Needs --config.model.path and
 --config.data.train pointing at local files."""
 import os
 import sys

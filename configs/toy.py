@@ -16,7 +16,7 @@ def get_config():
     c.data.eval_limit = 16
     c.data.toy_max_operand = 9  # one-digit operands and one operator: learnable by a tiny model in minutes
     c.data.toy_num_ops = 1
-    c.rollout.eval_n = 2
+    c.eval.n = 2
     c.agent.max_assistant_turns = 4
     c.agent.max_user_turns = 4
     c.agent.max_prompt_tokens = 512

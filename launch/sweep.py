@@ -7,6 +7,8 @@ dispatched by your scheduler with --print).
 
 Every run's overrides are recorded in <run>/sweep_point.json; `cleaner_jax.viz.plots` (and the
 ablation notebook) read the TensorBoard events of all runs under --workdir back by these names.
+A key the run config does not have stops the sweep before any run starts; each run validates
+its values when it starts.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cleaner_jax.config import base_config
+
 
 def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
     grid = []
@@ -27,6 +31,18 @@ def parse_grid(specs: list[str]) -> list[tuple[str, list[str]]]:
             raise SystemExit(f"--grid {spec!r}: expected KEY=V1,V2,... (e.g. saar.gamma=0.3,0.5)")
         grid.append((key, values.split(",")))
     return grid
+
+
+def check_keys(keys: list[str]) -> None:
+    """Exit naming the first `section.key` that the run config does not have."""
+    known = base_config()
+    for key in keys:
+        section, _, name = key.partition(".")
+        if section not in known or not name or "." in name or name not in known[section]:
+            sections = ", ".join(known)
+            hint = (f"the keys of config.{section} are: {', '.join(known[section])}" if section in known
+                    else f"the sections are: {sections}")
+            raise SystemExit(f"config.{key}: unknown key; {hint}")
 
 
 def run_name(point: dict[str, str]) -> str:
@@ -47,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     for kv in args.set:
         if "=" not in kv:
             ap.error(f"--set {kv!r}: expected KEY=V")
+    check_keys([k for k, _ in grid] + [kv.partition("=")[0] for kv in args.set])
     failures = []
     for values in itertools.product(*(vals for _, vals in grid)):
         point = {k: v for (k, _), v in zip(grid, values)}

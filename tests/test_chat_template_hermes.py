@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from cleaner_jax.chat.hermes import ToolCall, call_code, lenient_json_loads, parse_tool_calls
+from cleaner_jax.chat.hermes import ToolCall, call_code, parse_tool_calls, strict_json_loads
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.chat.tokens import call_start
 from cleaner_jax.toy.checkpoint import build_tokenizer
@@ -38,30 +38,37 @@ def test_prompt_has_tool_schema_and_generation_prompt(tok):
     assert ("You are Qwen" in text) == ("You are Qwen" in tok.chat_template)
 
 
-def test_parse_tool_calls_like_the_authors():
+@pytest.mark.parametrize("parser", ["json_repair", "strict"])
+def test_parse_tool_calls_like_the_authors(parser):
     call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}\n</tool_call>'
-    assert parse_tool_calls("think " + call + "<|im_end|>") == [
+    assert parse_tool_calls("think " + call + "<|im_end|>", parser) == [
         ToolCall("code_interpreter", json.dumps({"code": "print(1)"}))
     ]
-    assert parse_tool_calls("no call here") == []
-    assert parse_tool_calls("<tool_call>\n{\"name\": \"a\"") == []  # no closing marker
-    assert parse_tool_calls("<tool_call>not json</tool_call>") == []  # dropped silently
-    assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call>') == []  # no arguments
-    two = parse_tool_calls(call + "\n" + call.replace("print(1)", "print(2)"))
+    assert parse_tool_calls("no call here", parser) == []
+    assert parse_tool_calls("<tool_call>\n{\"name\": \"a\"", parser) == []  # no closing marker
+    assert parse_tool_calls("<tool_call>not json</tool_call>", parser) == []  # dropped silently
+    assert parse_tool_calls('<tool_call>{"name": "a"}</tool_call>', parser) == []  # no arguments
+    assert parse_tool_calls('<tool_call>{"name": 3, "arguments": {}}</tool_call>', parser) == []  # name no string
+    two = parse_tool_calls(call + "\n" + call.replace("print(1)", "print(2)"), parser)
     assert [call_code(c) for c in two] == ["print(1)", "print(2)"]
-    assert parse_tool_calls('<tool_call>{"name": "c", "arguments": "x = 1"}</tool_call>')[0].arguments == '"x = 1"'
+    assert parse_tool_calls('<tool_call>{"name": "c", "arguments": "x = 1"}</tool_call>', parser)[0].arguments == '"x = 1"'
 
 
-def test_lenient_json_repairs():
-    assert lenient_json_loads('{"code": "a\nb"}') == {"code": "a\nb"}  # raw newline in a string
-    assert lenient_json_loads('{"a": 1}}') == {"a": 1}  # extra data
-    assert lenient_json_loads('{"a": {"code": "x') == {"a": {"code": "x"}}  # truncated
+def test_parse_tool_calls_rejects_an_unknown_parser():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        parse_tool_calls('<tool_call>{"name": "c", "arguments": {}}</tool_call>', "yaml")
+
+
+def test_strict_json_repairs():
+    assert strict_json_loads('{"code": "a\nb"}') == {"code": "a\nb"}  # raw newline in a string
+    assert strict_json_loads('{"a": 1}}') == {"a": 1}  # extra data
+    assert strict_json_loads('{"a": {"code": "x') == {"a": {"code": "x"}}  # truncated
     with pytest.raises(ValueError, match="does not parse"):
-        lenient_json_loads("{'a': 1}")
+        strict_json_loads("{'a': 1}")
 
 
 def _authors_boundary(ids, decode):
-    """The authors' O(n^2) scan (research/open_cleaner.md §2.5), as an independent reference."""
+    """The authors' O(n^2) scan (docs/authors.md §2.5), as an independent reference."""
     for i in range(1, len(ids) + 1):
         if "<tool_call>" in decode(ids[:i]):
             for j in range(i, 0, -1):

@@ -1,12 +1,29 @@
-"""Config errors fail at start-up with a message naming the key."""
+"""Config errors fail at start-up with a message naming the key (and what is allowed); every
+config file validates; `--config.a.b=v` overrides and launch/sweep.py still produce valid runs."""
+import contextlib
+import dataclasses
 import importlib.util
+import io
+import re
+import shlex
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
+import ml_collections
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
-from cleaner_jax.config import ConfigError, base_config, validate
+from cleaner_jax import schema, wiring
+from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.config import SECTIONS, ConfigError, RunConfig, base_config, validate
+from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.saar.config import SaarConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if not p.stem.startswith("_"))
 
 
 def load_config(name: str):
@@ -20,63 +37,34 @@ def toy():
     return load_config("toy")
 
 
-def test_toy_config_is_valid():
-    validate(toy())
-
-
-def test_unknown_key_is_rejected_with_its_name():
-    c = toy()
-    with pytest.raises(AttributeError, match="gama"):
-        c.saar.gama = 0.3
-
-
-@pytest.mark.parametrize(
-    "key,value,needle",
-    [
-        ("saar.gamma", 1.5, "config.saar.gamma"),
-        ("saar.gamma", -0.1, "config.saar.gamma"),
-        ("saar.max_retries", -1, "config.saar.max_retries"),
-        ("data.train", "/nonexistent/train.parquet", "config.data.train"),
-        ("algo.advantage", "ppo", "config.algo.advantage"),
-        ("algo.micro_batch_size", 3, "config.algo.micro_batch_size"),
-        ("model.compute_dtype", "float8", "config.model.compute_dtype"),
-    ],
-)
-def test_bad_values_fail_naming_the_key(key, value, needle):
-    c = toy()
-    section, name = key.split(".")
-    c[section][name] = value
-    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+def rejects(c, pattern: str) -> str:
+    with pytest.raises(ConfigError, match=pattern) as err:
         validate(c)
+    return str(err.value)
 
 
-def test_rollout_logprob_mode_needs_untempered_sampling():
-    c = toy()
-    c.saar.logprob_mode = "rollout"
-    validate(c)
-    c.rollout.temperature = 0.7
-    with pytest.raises(ConfigError, match=r"config\.saar\.logprob_mode"):
-        validate(c)
+# ----------------------------------------------------------------------------- every config file
 
 
-def test_paper_config_requires_a_model_path():
-    c = load_config("qwen3_4b_cleaner")
-    with pytest.raises(ConfigError, match=r"config\.model\.path"):
-        validate(c)
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_file_validates(name, tmp_path):
+    c = load_config(name)
+    if not c.model.tiny_init:  # paper configs name local files that a test machine lacks
+        c.model.path = str(tmp_path)
+    if c.data.train != "toy":
+        c.data.train = str(tmp_path / "train.parquet")
+        Path(c.data.train).touch()
+    run = validate(c)
+    assert isinstance(run, RunConfig) and run.agent.saar is run.saar
 
 
-def test_notool_baseline_with_saar_is_contradictory():
-    c = load_config("qwen25_7b_notool")
-    assert c.saar.enable is False and c.agent.use_tools is False
-    c.saar.enable = True
-    c.model.tiny_init = True
-    c.data.train = "toy"
-    with pytest.raises(ConfigError, match=r"config\.saar\.enable"):
-        validate(c)
+def test_the_config_files_are_all_found():
+    assert {"qwen25_7b_cleaner", "qwen25_7b_dapo", "qwen25_7b_notool", "qwen3_4b_cleaner", "qwen3_4b_dapo",
+            "qwen3_4b_notool", "toy"} <= set(CONFIG_FILES)
 
 
 def test_paper_configs_match_the_authors_settings():
-    """Values from the authors' scripts (open_cleaner.md §4.1), written out by hand."""
+    """Values from the authors' scripts (docs/authors.md §4.1), written out by hand."""
     c4 = load_config("qwen3_4b_cleaner")
     c7 = load_config("qwen25_7b_cleaner")
     d4 = load_config("qwen3_4b_dapo")
@@ -87,3 +75,389 @@ def test_paper_configs_match_the_authors_settings():
     assert (c4.algo.group_size, c4.algo.prompts_per_step) == (16, 128)
     assert (d4.algo.tis, d4.algo.tis_cap) == ("sequence", 2.0)
     assert c4.saar.gamma == 0.5 and c4.saar.max_retries == 3
+
+
+def test_base_config_defaults_are_the_authors():
+    """Faithful defaults, by hand (docs/authors.md §1.5, §2.1, §4.1)."""
+    c = base_config()
+    assert (c.algo.mini_batches_per_step, c.algo.micro_batch_size, c.algo.loss_agg) == (4, 8, "token-mean")
+    assert (c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.optim.grad_clip) == (2e-6, 20, 0.01, 1.0)
+    assert (c.saar.max_retries, c.saar.gamma, c.saar.max_tool_entries) == (3, 0.5, 30)
+    assert (c.agent.tool_call_parser, c.rollout.decode_backend, c.rollout.temperature) == ("json_repair", "auto", 1.0)
+    assert (c.agent.max_prompt_tokens, c.agent.max_response_tokens, c.reward.overlong_buffer) == (2560, 20480, 4096)
+
+
+def test_removed_keys_are_gone():
+    c = base_config()
+    for section, key in [("train", "log_every"), ("algo", "kl_coef"), ("algo", "kl_type"),
+                         ("saar", "keep_failed_attempts"), ("saar", "error_labels")]:
+        assert key not in c[section], f"{section}.{key}"
+
+
+# ----------------------------------------------------------------------------- unknown and missing keys
+
+
+def test_unknown_key_is_rejected_with_its_name_when_assigned():
+    c = toy()
+    with pytest.raises(AttributeError, match="gama"):
+        c.saar.gama = 0.3
+
+
+def test_unknown_key_is_rejected_by_validate():
+    c = toy()
+    with c.unlocked():
+        c.saar.gama = 0.3
+    msg = rejects(c, r"config\.saar\.gama: unknown key")
+    assert "gamma" in msg and "max_retries" in msg  # the keys that do exist
+
+
+def test_unknown_section_is_rejected():
+    c = toy()
+    with c.unlocked():
+        c.sar = ml_collections.ConfigDict({"gamma": 0.5})
+    rejects(c, r"config\.sar: unknown section; the sections are: model, data, rollout, agent, saar")
+
+
+def test_missing_key_is_rejected():
+    c = ml_collections.ConfigDict(toy().to_dict())
+    del c.saar["gamma"]
+    rejects(c, r"config\.saar\.gamma: missing; start the config from cleaner_jax\.config\.base_config\(\)")
+
+
+def test_missing_section_is_rejected():
+    c = ml_collections.ConfigDict(toy().to_dict())
+    del c["optim"]
+    rejects(c, r"config\.optim: missing section")
+
+
+# ----------------------------------------------------------------------------- wrong types
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("train.steps", True, r"config\.train\.steps: True has the wrong type bool: expected int"),
+    ("saar.gamma", None, r"config\.saar\.gamma: None is not allowed: expected float"),
+    ("saar.similarity", None, r"config\.saar\.similarity: None is not allowed: expected one of 'call', 'code'"),
+    ("rollout.server_urls", None, r"config\.rollout\.server_urls: None is not allowed: expected str"),
+    ("agent.use_tools", None, r"config\.agent\.use_tools: None is not allowed: expected bool"),
+])
+def test_wrong_type_is_rejected(key, value, pattern):
+    c = toy()
+    section, name = key.split(".")
+    c[section][name] = value  # ml_collections lets these through; validate must not
+    rejects(c, pattern)
+
+
+def test_wrong_type_in_an_unlocked_config_is_rejected():
+    c = ml_collections.ConfigDict(toy().to_dict(), type_safe=False)
+    c.saar.max_retries = 2.5
+    rejects(c, r"config\.saar\.max_retries: 2\.5 has the wrong type float: expected int")
+    c = ml_collections.ConfigDict(toy().to_dict(), type_safe=False)
+    c.model.path = 3
+    rejects(c, r"config\.model\.path: 3 has the wrong type int: expected str or None")
+    # (ml_collections itself turns True into 1.0 for a float key; built directly it is caught)
+    with pytest.raises(ConfigError, match=r"SaarConfig\.gamma: True has the wrong type bool: expected float"):
+        SaarConfig(gamma=True)
+
+
+def test_int_for_a_float_key_is_accepted_as_float():
+    c = toy()
+    c.saar.gamma = 1
+    run = validate(c)
+    assert run.saar.gamma == 1.0 and isinstance(run.saar.gamma, float)
+
+
+# ----------------------------------------------------------------------------- ranges and choices
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("saar.gamma", 1.5, r"config\.saar\.gamma: 1\.5 is out of range: must be in \[0\.0, 1\.0\]"),
+    ("saar.gamma", -0.1, r"config\.saar\.gamma: -0\.1 is out of range: must be in \[0\.0, 1\.0\]"),
+    ("saar.max_retries", -1, r"config\.saar\.max_retries: -1 is out of range: must be >= 0"),
+    ("saar.rollback_probability", 1.01, r"config\.saar\.rollback_probability: 1\.01 is out of range"),
+    ("rollout.temperature", 0.0, r"config\.rollout\.temperature: 0\.0 is out of range: must be > 0\.0 "
+                                 r"\(.*RL needs sampled log-probs"),
+    ("rollout.top_p", 0.0, r"config\.rollout\.top_p: 0\.0 is out of range: must be in \(0\.0, 1\.0\]"),
+    ("algo.clip_low", 1.0, r"config\.algo\.clip_low: 1\.0 is out of range: must be in \[0\.0, 1\.0\)"),
+    ("algo.dual_clip", 1.0, r"config\.algo\.dual_clip: 1\.0 is out of range: must be > 1\.0"),
+    ("algo.mini_batches_per_step", 0, r"config\.algo\.mini_batches_per_step: 0 is out of range: must be >= 1"),
+    ("optim.lr", 0.0, r"config\.optim\.lr: 0\.0 is out of range: must be > 0\.0"),
+    ("optim.b2", 1.0, r"config\.optim\.b2: 1\.0 is out of range: must be in \[0\.0, 1\.0\)"),
+    ("agent.max_assistant_turns", 0, r"config\.agent\.max_assistant_turns: 0 is out of range: must be >= 1"),
+    ("mesh.tp", 0, r"config\.mesh\.tp: 0 is out of range: must be >= 1"),
+    ("train.checkpoint_every", 0, r"config\.train\.checkpoint_every: 0 is out of range: must be >= 1"),
+    ("data.toy_max_operand", 1, r"config\.data\.toy_max_operand: 1 is out of range: must be >= 2"),
+    ("data.eval_limit", 0, r"config\.data\.eval_limit: 0 is out of range: must be >= 1"),
+])
+def test_out_of_range_is_rejected(key, value, pattern):
+    c = toy()
+    section, name = key.split(".")
+    c[section][name] = value
+    rejects(c, pattern)
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("algo.advantage", "ppo", "'grpo', 'drgrpo', 'rloo'"),
+    ("algo.loss", "dpo", "'ppo', 'nll'"),
+    ("algo.loss_agg", "mean", "'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean'"),
+    ("algo.tis", "seq", "'none', 'token', 'sequence'"),
+    ("model.compute_dtype", "float8", "'float32', 'bfloat16', 'float16'"),
+    ("model.remat", "all", "'none', 'full', 'dots', 'dots_no_batch'"),
+    ("model.attention_impl", "flash", "'xla', 'cudnn'"),
+    ("model.tiny_family", "llama", "'qwen2', 'qwen3'"),
+    ("rollout.backend", "vllm", "'embedded', 'sglang'"),
+    ("rollout.decode_backend", "cuda", "'auto', 'xla', 'cpu_kernels'"),
+    ("agent.tool_call_parser", "yaml", "'json_repair', 'strict'"),
+    ("agent.observation_mode", "short", "'faithful', 'full'"),
+    ("agent.chunk_template", "chatml", "'faithful', 'canonical'"),
+    ("saar.similarity", "tokens", "'call', 'code'"),
+    ("saar.logprob_mode", "learner", "'recompute', 'rollout'"),
+    ("reward.math_mode", "lenient", "'strict', 'equivalence'"),
+])
+def test_value_not_allowed_is_rejected_listing_the_allowed_ones(key, value, allowed):
+    c = toy()
+    section, name = key.split(".")
+    c[section][name] = value
+    rejects(c, rf"config\.{key}: '{value}' is not allowed: use one of {allowed}")
+
+
+def _bad_values(tp, meta):
+    """Values just outside a declaration (from the declaration itself): every declared check
+    must be live end to end, not only the hand-picked ones above."""
+    optional, inner = schema.split_optional(tp)
+    if "ge" in meta:
+        yield meta["ge"] - (1 if inner is int else 1e-3)
+    if "gt" in meta:
+        yield meta["gt"]
+    if "le" in meta:
+        yield meta["le"] + (1 if inner is int else 1e-3)
+    if "lt" in meta:
+        yield meta["lt"]
+    if typing.get_origin(inner) is typing.Literal:
+        yield "not-a-choice"
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_every_declared_check_rejects_naming_the_key(section):
+    cls = SECTIONS[section]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = {k: tp for k, (tp, _) in schema.defaults(cls).items()}
+    checked = 0
+    for key, tp in hints.items():
+        for bad in _bad_values(tp, fields[key].metadata):
+            c = toy()
+            with c.unlocked():
+                c[section][key] = bad
+            rejects(c, rf"^config\.{section}\.{key}: ")
+            checked += 1
+    assert checked >= 1
+
+
+# ----------------------------------------------------------------------------- contradictions
+
+
+def _set(c, **values):
+    for key, value in values.items():
+        section, name = key.split("__")
+        c[section][name] = value
+    return c
+
+
+@pytest.mark.parametrize("values,pattern", [
+    (dict(model__tiny_init=False), r"config\.model\.path: no checkpoint given"),
+    (dict(model__path="/tmp"), r"config\.model\.path: '/tmp' is set together with model\.tiny_init=True"),
+    (dict(model__tiny_init=False, model__path="/nonexistent/model"), r"config\.model\.path: '/nonexistent/model' "
+                                                                     r"is not a directory"),
+    (dict(data__train="/nonexistent/train.parquet"), r"config\.data\.train: training data '/nonexistent/train\.parquet' "
+                                                     r"not found"),
+    (dict(data__train_limit=10), r"config\.data\.train_limit: the toy task is generated without end"),
+    (dict(data__eval="toy,aime23"), r"config\.data\.eval: unknown benchmark 'aime23'; use 'toy' or one of aime24, "),
+    (dict(data__eval_limit=None), r"config\.data\.eval_limit: the toy benchmark is generated: give its size"),
+    (dict(rollout__backend="sglang"), r"config\.rollout\.server_urls: backend=sglang needs at least one server URL"),
+    (dict(rollout__backend="sglang", rollout__server_urls="http://h:1", rollout__decode_backend="xla"),
+     r"config\.rollout\.decode_backend: 'xla' selects the embedded engine's kernels, but rollout\.backend='sglang'"),
+    (dict(rollout__top_k=0), r"config\.rollout\.top_k: 0 is not allowed: use -1 \(off\) or k >= 1"),
+    (dict(mesh__fsdp=0), r"config\.mesh\.fsdp: 0 is not allowed"),
+    (dict(saar__logprob_mode="rollout", rollout__temperature=0.7), r"config\.saar\.logprob_mode: rollout mode "
+                                                                    r"re-scores .* needs rollout\.temperature=1\.0"),
+    (dict(agent__use_tools=False), r"config\.saar\.enable: SAAR needs tools"),
+    (dict(reward__overlong_buffer=384), r"config\.reward\.overlong_buffer: 384 must be < "
+                                        r"agent\.max_response_tokens=384"),
+    (dict(algo__advantage="rloo", algo__group_size=1, algo__micro_batch_size=4),
+     r"config\.algo\.advantage: rloo needs algo\.group_size >= 2"),
+    (dict(algo__mini_batches_per_step=3), r"config\.algo\.mini_batches_per_step: 16 sequences per step do not split "
+                                          r"into 3 mini-batches"),
+    (dict(algo__micro_batch_size=3), r"config\.algo\.micro_batch_size: a mini-batch of 16 sequences does not split "
+                                     r"into micro-batches of 3"),
+    (dict(algo__loss="nll", algo__tis="token", saar__enable=False),
+     r"config\.algo\.tis: truncated IS weights the ppo loss only; algo\.loss='nll' would ignore it"),
+    (dict(algo__nll_sequences="positive_advantage"), r"config\.algo\.nll_sequences: applies to algo\.loss='nll' "
+                                                     r"only; algo\.loss='ppo' would ignore it"),
+    (dict(algo__tis="sequence"), r"config\.algo\.tis: truncated IS needs rollout log-probs of the purified tokens"),
+    (dict(warmup_sft__examples=8), r"config\.warmup_sft\.examples: 8 demonstrations cannot fill a batch of "
+                                   r"warmup_sft\.batch_size=16"),
+])
+def test_contradictions_are_rejected_naming_the_key(values, pattern):
+    rejects(_set(toy(), **values), pattern)
+
+
+def test_warm_start_needs_the_toy_task(tmp_path):
+    c = toy()
+    c.data.train = str(tmp_path / "train.jsonl")
+    Path(c.data.train).touch()
+    rejects(c, r"config\.warmup_sft\.steps: the scripted-teacher warm start exists for the toy task only")
+
+
+def test_paper_config_requires_a_model_path():
+    rejects(load_config("qwen3_4b_cleaner"), r"config\.model\.path")
+
+
+def test_notool_baseline_with_saar_is_contradictory():
+    c = load_config("qwen25_7b_notool")
+    assert c.saar.enable is False and c.agent.use_tools is False
+    c.saar.enable = True
+    c.model.tiny_init = True
+    c.model.path = None
+    c.data.train = "toy"
+    c.data.eval = ""
+    rejects(c, r"config\.saar\.enable")
+
+
+def test_rollout_logprob_mode_needs_untempered_sampling():
+    c = toy()
+    c.saar.logprob_mode = "rollout"
+    validate(c)
+    c.rollout.temperature = 0.7
+    rejects(c, r"config\.saar\.logprob_mode")
+
+
+# ----------------------------------------------------------------------------- components built directly
+
+
+@pytest.mark.parametrize("build,pattern", [
+    (lambda: SaarConfig(gamma=1.5), r"SaarConfig\.gamma: 1\.5 is out of range: must be in \[0\.0, 1\.0\]"),
+    (lambda: SaarConfig(similarity="tokens"), r"SaarConfig\.similarity: 'tokens' is not allowed: use one of 'call', "),
+    (lambda: AgentConfig(tool_call_parser="yaml"), r"AgentConfig\.tool_call_parser: 'yaml' is not allowed"),
+    (lambda: AgentConfig(max_response_tokens=0), r"AgentConfig\.max_response_tokens: 0 is out of range"),
+    (lambda: AgentConfig(saar={"gamma": 0.5}), r"AgentConfig\.saar: .* is not a SaarConfig"),
+    (lambda: LearnerConfig(temperature=0.0), r"LearnerConfig\.temperature: 0\.0 is out of range: must be > 0\.0"),
+    (lambda: OptimizerConfig(updates_per_lr_step=0), r"OptimizerConfig\.updates_per_lr_step: 0 is out of range"),
+])
+def test_components_built_directly_check_the_same_declarations(build, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        build()
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def test_wiring_maps_each_key_onto_its_component_field():
+    """The mapping written out by hand, with a distinct value per key."""
+    c = _set(toy(), algo__loss="ppo", algo__clip_low=0.11, algo__clip_high=0.22, algo__dual_clip=3.5,
+             algo__loss_agg="seq-mean-token-sum", algo__entropy_coef=0.01, algo__tis="token", algo__tis_cap=1.5,
+             algo__logprob_chunk=64, algo__micro_batch_size=2, algo__mini_batches_per_step=2,
+             optim__lr=3e-4, optim__warmup_steps=7, optim__weight_decay=0.05, optim__b1=0.8, optim__b2=0.95,
+             optim__grad_clip=0.5, rollout__temperature=0.9, rollout__top_p=0.8, rollout__top_k=20,
+             eval__temperature=0.7, eval__top_p=0.5, eval__top_k=5, saar__enable=False, saar__gamma=0.3, agent__tool_call_parser="strict")
+    lc = wiring.learner_config(c)
+    loss, opt = lc.loss, lc.optimizer
+    assert (loss.kind, loss.clip_low, loss.clip_high, loss.dual_clip_c, loss.agg) == ("ppo", 0.11, 0.22, 3.5,
+                                                                                       "seq-mean-token-sum")
+    assert (loss.entropy_coef, loss.tis, loss.tis_cap, loss.nll_sequences) == (0.01, "token", 1.5, "all")
+    assert (opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.b1, opt.b2, opt.max_grad_norm) == (
+        3e-4, 7, 0.05, 0.8, 0.95, 0.5)
+    assert (opt.updates_per_lr_step, opt.eps) == (2, 1e-8)
+    assert (lc.micro_batch_size, lc.logprob_micro_batch_size, lc.temperature, lc.logprob_chunk_size) == (2, 2, 0.9, 64)
+    assert wiring.train_sampling(c) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
+    assert wiring.eval_sampling(c) == {"temperature": 0.7, "top_p": 0.5, "top_k": 5}  # apart from training's
+    ac = wiring.agent_config(c)
+    assert (ac.tool_call_parser, ac.max_assistant_turns, ac.saar.gamma, ac.saar.enable) == ("strict", 4, 0.3, False)
+
+
+def test_wiring_data_sources_follow_the_config():
+    c = toy()
+    c.data.eval_limit = 3
+    assert [len(v) for v in wiring.eval_benchmarks(c).values()] == [3]
+    one = wiring.training_problems(c)
+    assert one(5) == one(5) and one(5) != one(6)  # deterministic per seed
+
+
+# ----------------------------------------------------------------------------- the command line and sweeps
+
+
+def _parse(argv: list[str]):
+    """The config as `python -m cleaner_jax.train --config ... --config.a.b=v` builds it."""
+    fv = flags.FlagValues()
+    argv = ["prog", *argv]  # config_flags finds the `--config.*` overrides in argv when defined
+    config_flags.DEFINE_config_file("config", None, "config file", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+def test_command_line_overrides_are_typed_and_validated(tmp_path):
+    c = _parse(["--config", str(ROOT / "configs/toy.py"), "--config.data.eval_limit=3", "--config.algo.dual_clip=4",
+                "--config.agent.tool_call_parser=strict", "--config.rollout.decode_backend=xla"])
+    run = validate(c)
+    assert (run.data.eval_limit, run.algo.dual_clip, run.agent.tool_call_parser, run.rollout.decode_backend) == (
+        3, 4.0, "strict", "xla")
+    paper = _parse(["--config", str(ROOT / "configs/qwen3_4b_cleaner.py"), f"--config.model.path={tmp_path}"])
+    assert paper.model.path == str(tmp_path)
+    greedy = _parse(["--config", str(ROOT / "configs/toy.py"), "--config.rollout.temperature=0"])
+    rejects(greedy, r"config\.rollout\.temperature: 0\.0 is out of range: must be > 0\.0")
+
+
+def _sweep(argv: list[str]) -> str:
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "launch" / "sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mod.main(argv) == 0
+    return out.getvalue()
+
+
+def test_sweep_builds_valid_overrides(tmp_path):
+    printed = _sweep(["--config", "configs/toy.py", "--workdir", str(tmp_path), "--grid", "saar.gamma=0.3,0.7",
+                      "--grid", "algo.clip_high=0.2,0.28", "--set", "train.steps=20", "--print"])
+    commands = [shlex.split(line) for line in printed.splitlines()]
+    assert len(commands) == 4
+    seen = set()
+    for cmd in commands:
+        assert cmd[:3] == [sys.executable, "-m", "cleaner_jax.train"]
+        overrides = [a for a in cmd if a.startswith("--config.")]
+        run = validate(_parse(["--config", str(ROOT / "configs/toy.py"), *overrides]))
+        assert run.train.steps == 20
+        seen.add((run.saar.gamma, run.algo.clip_high))
+    assert seen == {(0.3, 0.2), (0.3, 0.28), (0.7, 0.2), (0.7, 0.28)}
+
+
+@pytest.mark.parametrize("spec,pattern", [
+    (["--grid", "saar.gama=0.3"], r"config\.saar\.gama: unknown key; the keys of config\.saar are: .*gamma"),
+    (["--grid", "saar.gamma=0.3", "--set", "train.log_every=5"], r"config\.train\.log_every: unknown key"),
+    (["--grid", "sar.gamma=0.3"], r"config\.sar\.gamma: unknown key; the sections are: "),
+])
+def test_sweep_rejects_an_unknown_key_before_any_run(spec, pattern, tmp_path):
+    with pytest.raises(SystemExit, match=pattern):
+        _sweep(["--config", "configs/toy.py", "--workdir", str(tmp_path), *spec])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("arg, named", [
+    ("--config.saar.gama=0.3", "config.saar.gama: unknown key"),
+    ("--config.sar.gamma=0.3", "config.sar: unknown key"),
+    ("--config.saar.gamma.x=1", "config.saar.gamma.x: unknown key"),
+])
+def test_unknown_override_key_is_named_before_parsing(arg: str, named: str) -> None:
+    from cleaner_jax.config import check_override_keys
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        check_override_keys(["--workdir=x", arg])
+    check_override_keys(["--config.saar.gamma=0.3", "--config.train.steps", "4"])  # known keys pass
+
+
+def test_unknown_override_key_stops_the_cli_with_a_message(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs" / "toy.py"),
+                          "--workdir", str(tmp_path), "--config.saar.gama=0.3"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    assert "error: config.saar.gama: unknown key" in out.stderr and "gamma" in out.stderr
+    assert "Traceback" not in out.stderr

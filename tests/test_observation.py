@@ -1,4 +1,4 @@
-"""Observation text against the authors' format (open_cleaner.md §1.6, §2.2), written out by hand."""
+"""Observation text against the authors' format (docs/authors.md §1.6, §2.2), written out by hand."""
 from __future__ import annotations
 
 import pytest

@@ -4,12 +4,13 @@ The loop talks to code execution through `ToolExecutor` (`await execute(code) ->
 so tests and benchmarks can inject a scripted executor; `SandboxExecutor` is the real one
 (cleaner_jax.tools.sandbox + the authors' observation text from cleaner_jax.tools.observation).
 
-Invocation rules (research/open_cleaner.md §1.5): the call's arguments are parsed again as
-JSON and the tool is looked up by name. An unknown name or arguments that are not an object
-give the format-error observation; an executor exception gives `Tool call failure.`. Both are
-failures for SAAR. An executor exception is an infrastructure failure: it is labelled `infra`
-(the authors lumped it into `tool_call_format_error`) so it never looks like a model error in
-the statistics, while the model still sees the authors' text.
+Invocation rules (docs/authors.md §1.5): the call's arguments are parsed again (they are the
+parser's `json.dumps` output, see `chat.hermes.call_arguments`) and the tool is looked up by
+name. An unknown name or arguments that are not an object give the format-error observation;
+an executor exception gives `Tool call failure.`. Both are failures for SAAR. An executor
+exception is an infrastructure failure: it is labelled `infra` (the authors lumped it into
+`tool_call_format_error`) so it never looks like a model error in the statistics, while the
+model still sees the authors' text.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import logging
 import sys
 from typing import Any, Protocol
 
-from cleaner_jax.chat.hermes import ToolCall, lenient_json_loads
-from cleaner_jax.saar.rules import DEFAULT_ERROR_LABELS, FORMAT_ERROR, failure_label
+from cleaner_jax.chat.hermes import ToolCall, call_arguments
+from cleaner_jax.saar.rules import FORMAT_ERROR, failure_label
 
 FORMAT_ERROR_TEXT = (
     "Tool call failure: tool call format is wrong, please make sure to generate correct "
@@ -52,10 +53,7 @@ class ToolExecutor(Protocol):
 
 async def invoke_call(call: ToolCall, executor: ToolExecutor, tool_names: frozenset[str]) -> ToolResult:
     """Run one parsed call the authors' way; never raises for model mistakes."""
-    try:
-        args = lenient_json_loads(call.arguments)
-    except ValueError:
-        return ToolResult(FORMAT_ERROR_TEXT, FORMAT_ERROR)
+    args = call_arguments(call)
     if call.name not in tool_names or not isinstance(args, dict):
         return ToolResult(FORMAT_ERROR_TEXT, FORMAT_ERROR)
     code = args.get("code", "")
@@ -71,12 +69,10 @@ async def invoke_call(call: ToolCall, executor: ToolExecutor, tool_names: frozen
 class SandboxExecutor:
     """`ToolExecutor` over a `cleaner_jax.tools.sandbox.Sandbox` (stdin always empty)."""
 
-    def __init__(self, sandbox: Any, observation_mode: str = "faithful", max_chars: int = 256,
-                 error_labels: tuple[str, ...] = DEFAULT_ERROR_LABELS) -> None:
+    def __init__(self, sandbox: Any, observation_mode: str = "faithful", max_chars: int = 256) -> None:
         self.sandbox = sandbox
         self.observation_mode = observation_mode
         self.max_chars = max_chars
-        self.error_labels = error_labels
 
     async def execute(self, code: str) -> ToolResult:
         from cleaner_jax.tools.observation import format_observation, truncate_middle
@@ -87,5 +83,5 @@ class SandboxExecutor:
         full = format_observation(result, mode=self.observation_mode, max_chars=sys.maxsize)
         shown = truncate_middle(full, self.max_chars)
         infra = result.status == "infra"
-        label = INFRA_LABEL if infra else failure_label(full, self.error_labels)
+        label = INFRA_LABEL if infra else failure_label(full)
         return ToolResult(shown, label, infra=infra)

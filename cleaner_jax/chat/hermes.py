@@ -1,29 +1,35 @@
 """Hermes `<tool_call>` parsing, as the authors' `format=hermes` parser does it.
 
-Spec (research/open_cleaner.md §1.5): decode the turn with special tokens kept; if the text
-lacks `<tool_call>` or `</tool_call>` there are no calls; otherwise every non-greedy
-`<tool_call>(.*?)</tool_call>` match (DOTALL) is parsed as JSON and must have `name` and
-`arguments`; `arguments` is re-serialised with `json.dumps(ensure_ascii=False)`. Matches that do
-not parse are dropped silently (if all are dropped, the turn has no call and the episode ends).
+Spec (docs/authors.md §1.5): decode the turn with special tokens kept; if the text lacks
+`<tool_call>` or `</tool_call>` there are no calls; otherwise every non-greedy
+`<tool_call>(.*?)</tool_call>` match (DOTALL) is parsed and must be an object with a string
+`name` and an `arguments` entry; `arguments` is re-serialised with
+`json.dumps(ensure_ascii=False)`. Matches that do not qualify are dropped silently (if all are
+dropped, the turn has no call and the episode ends).
 
-The authors parse with `json_repair.loads`, which is not a dependency here. `lenient_json_loads`
-implements the repairs that matter for model-written calls: raw control characters inside
-strings (literal newlines in code), trailing garbage after the object ("Extra data", e.g. a
-doubled closing brace) and missing closing quotes/braces at the end. Inputs json_repair would
-still salvage beyond that (single quotes, unquoted keys, comments) are rejected here; those turns
-count as "no tool call" instead of a format-error observation.
+Two parsers (`agent.tool_call_parser`):
+- "json_repair" (faithful): `json_repair.loads`, as the authors. It salvages almost anything
+  (single quotes, unquoted keys, comments, truncation); text it cannot read becomes `""`, which
+  is no object and so is dropped.
+- "strict": `strict_json_loads`, JSON with three repairs only: raw control characters inside
+  strings (literal newlines in code), trailing data after the object (e.g. a doubled closing
+  brace) and missing closing quotes/brackets at the end. Anything else (single quotes, unquoted
+  keys, comments) is dropped, so such a turn counts as "no tool call" rather than a call.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, Literal
+
+import json_repair
 
 from cleaner_jax.chat.template import TOOL_CALL_END, TOOL_CALL_START
 
 _CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 _CLOSERS = {"{": "}", "[": "]"}
+ToolCallParser = Literal["json_repair", "strict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +62,8 @@ def _close_unbalanced(text: str) -> str:
     return text + suffix
 
 
-def lenient_json_loads(text: str) -> Any:
-    """Parse model-written JSON with the repairs described in the module docstring.
+def strict_json_loads(text: str) -> Any:
+    """Parse model-written JSON with only the three repairs of the "strict" parser (module doc).
 
     Raises ValueError (with the original decoder message) when no repair makes it parse.
     """
@@ -73,16 +79,25 @@ def lenient_json_loads(text: str) -> Any:
     raise ValueError(f"tool-call JSON does not parse even after repair: {first_error}") from first_error
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
+def _loads(body: str, parser: ToolCallParser) -> Any:
+    """The call body as parsed by `parser`; None when the strict reader cannot read it."""
+    if parser == "json_repair":
+        return json_repair.loads(body)
+    if parser == "strict":
+        try:
+            return strict_json_loads(body)
+        except ValueError:
+            return None
+    raise ValueError(f"tool_call_parser must be 'json_repair' or 'strict', got {parser!r}")
+
+
+def parse_tool_calls(text: str, parser: ToolCallParser = "json_repair") -> list[ToolCall]:
     """All well-formed hermes calls in one decoded assistant turn, in order."""
     if TOOL_CALL_START not in text or TOOL_CALL_END not in text:
         return []
     calls: list[ToolCall] = []
     for body in _CALL_RE.findall(text):
-        try:
-            obj = lenient_json_loads(body)
-        except ValueError:
-            continue  # the authors drop unparseable matches silently
+        obj = _loads(body, parser)  # the authors drop unparseable matches silently
         if not isinstance(obj, dict) or "name" not in obj or "arguments" not in obj:
             continue
         if not isinstance(obj["name"], str):
@@ -91,12 +106,15 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def call_arguments(call: ToolCall) -> Any:
+    """The parsed arguments. `call.arguments` is `json.dumps` output, so plain `json.loads`
+    reads it; the authors' second `json_repair.loads` returns the same for valid JSON."""
+    return json.loads(call.arguments)
+
+
 def call_code(call: ToolCall) -> str | None:
     """`arguments.code` of a code_interpreter call, or None when the arguments are no object."""
-    try:
-        args = lenient_json_loads(call.arguments)
-    except ValueError:
-        return None
+    args = call_arguments(call)
     if not isinstance(args, dict):
         return None
     code = args.get("code", "")

@@ -1,9 +1,9 @@
 """Chat-template use for the tool loop: the initial prompt and observation chunks as token ids.
 
-Token-in/token-out (DESIGN rule 1): assistant turns are the engine's ids and are never
+Token-in/token-out (docs/honest_rl.md rule 1): assistant turns are the engine's ids and are never
 re-rendered; only the initial prompt and the observation ("tool chunk") tokens come from the
-tokenizer's chat template. The chunk is built the way the authors build it (research/
-open_cleaner.md §1.2): render the lone `tool` message(s) with `add_generation_prompt=True` and
+tokenizer's chat template. The chunk is built the way the authors build it
+(docs/authors.md §1.2): render the lone `tool` message(s) with `add_generation_prompt=True` and
 drop the leading ids the template emits for an empty conversation (Qwen2.5's default system
 block; nothing for Qwen3). That chunk starts directly with `<|im_start|>`, so after a turn that
 ended with `<|im_end|>` the newline of the canonical rendering is missing (faithful mode). The

@@ -1,7 +1,7 @@
 """Token-buffer helpers: where a turn's tool-call segment starts, special-token positions.
 
 The authors find the reasoning/call boundary by decoding every prefix of the turn until the
-text contains `<tool_call>` (O(n^2), research/open_cleaner.md §2.5, §9.22). With Qwen
+text contains `<tool_call>` (O(n^2), docs/authors.md §2.5, §9.22). With Qwen
 tokenizers `<tool_call>` is one added token, so the boundary is that token's index. If a model
 ever spells the marker out of ordinary byte tokens, the id search misses it; `call_start` then
 falls back to a binary search over decoded prefixes, which returns the same index as the

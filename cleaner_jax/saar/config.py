@@ -1,13 +1,21 @@
-"""Configuration of SAAR Phase I; defaults are the authors' CLEANER runs."""
+"""The `saar` section: SAAR Phase I. Defaults are the authors' CLEANER runs.
+
+Each field is declared once here (type, allowed values, range, help); the run config's `saar.*`
+keys are these fields, and building a SaarConfig directly checks the same declarations.
+"""
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-from cleaner_jax.saar.rules import DEFAULT_ERROR_LABELS, MAX_TOOL_ENTRIES_BEFORE_DISABLE
+from cleaner_jax import schema
+from cleaner_jax.saar.rules import MAX_TOOL_ENTRIES_BEFORE_DISABLE
 from cleaner_jax.saar.similarity import SimilarityMode
 
 LogprobMode = Literal["recompute", "rollout"]
+# How the learner treats spliced tokens (docs/estimators.md §3). The same choices are declared as
+# `cleaner_jax.rl.losses.SpliceCorrection` (rl/ may not import saar/); a test keeps them equal.
+SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,33 +23,38 @@ class SaarConfig:
     """SAAR Phase I. Faithful: on, K=3, γ=0.5 (hard-coded by the authors), p=1.0, difflib on
     the decoded call segment with autojunk, old log-probs recomputed by the learner.
 
-    logprob_mode: "recompute" (authors: the learner recomputes every old log-prob on the
-      purified sequence) or "rollout" (paper §4.3: spliced tokens are re-scored in the purified
-      context at splice time through a `Rescorer`; every other token keeps its rollout log-prob).
-    keep_failed_attempts: return each failed attempt at a later-recovered position as a
-      negative-sample trajectory (loss mask on its call tokens only), for later study.
-    max_tool_entries: the authors' safeguard; SAAR turns off after this many tool executions.
+    logprob_mode: what the rollout log-probs of spliced tokens are. "recompute" (authors): the
+      sampled ones only, from the context with the error (they stay the tokens' behaviour
+      log-probs either way). "rollout" (CLEANER paper, arXiv 2601.15141, §4.3): spliced tokens
+      are also re-scored in the purified context at splice time through a `Rescorer`, so every
+      policy token has a purified-context rollout log-prob. Bypass mode (`algo.old_logprobs =
+      "rollout"`, the paper's §4.3 estimator together with this) and rollout IS over spliced
+      tokens need that. Where old log-probs come from is `algo.old_logprobs`.
+    splice_correction: how the policy loss treats spliced tokens, whose behaviour policy is
+      π(·|error context) (docs/estimators.md §3). "none" (authors): as if sampled in the purified
+      context. "tis": weight min(π_old(purified) / π_behaviour(error context), splice_cap).
+      "mask": drop spliced tokens whose ratio leaves [1/splice_cap, splice_cap]. "exclude":
+      spliced tokens out of the loss.
     """
 
-    enable: bool = True
-    max_retries: int = 3
-    gamma: float = 0.5
-    rollback_probability: float = 1.0
-    similarity: SimilarityMode = "call"
-    autojunk: bool = True
-    logprob_mode: LogprobMode = "recompute"
-    keep_failed_attempts: bool = False
-    max_tool_entries: int = MAX_TOOL_ENTRIES_BEFORE_DISABLE
-    error_labels: tuple[str, ...] = DEFAULT_ERROR_LABELS
+    enable: bool = schema.field(True, help="SAAR on; the DAPO and notool baselines turn it off")
+    max_retries: int = schema.field(3, ge=0, help="K: regenerations per failing position")
+    gamma: float = schema.field(0.5, ge=0.0, le=1.0, help="deep (full-turn) replacement iff similarity < gamma")
+    rollback_probability: float = schema.field(
+        1.0, ge=0.0, le=1.0, help="per-trajectory probability that SAAR is on (authors' 7B run: 0.7)")
+    similarity: SimilarityMode = schema.field(
+        "call", help="call: difflib on the decoded call segment (authors); code: the code only")
+    autojunk: bool = schema.field(True, help="difflib's autojunk (authors: on); off scores long code fairly")
+    logprob_mode: LogprobMode = schema.field(
+        "recompute", help="rollout log-probs of spliced tokens: recompute: the sampled ones (authors' code); "
+        "rollout: also re-scored in the purified context (CLEANER paper §4.3)")
+    splice_correction: SpliceCorrection = schema.field(
+        "none", help="spliced tokens in the loss: none (authors), tis, mask or exclude (docs/estimators.md §3)")
+    splice_cap: float = schema.field(
+        2.0, ge=1.0, help="splice_correction=tis: weight cap; mask: the trust region [1/splice_cap, splice_cap]")
+    max_tool_entries: int = schema.field(
+        MAX_TOOL_ENTRIES_BEFORE_DISABLE, ge=0,
+        help="the authors' safeguard: SAAR turns off after this many tool executions in a trajectory")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"SaarConfig.gamma={self.gamma} is outside [0, 1]")
-        if self.max_retries < 0:
-            raise ValueError(f"SaarConfig.max_retries={self.max_retries} must be >= 0")
-        if not 0.0 <= self.rollback_probability <= 1.0:
-            raise ValueError(f"SaarConfig.rollback_probability={self.rollback_probability} is outside [0, 1]")
-        if self.similarity not in ("call", "code"):
-            raise ValueError(f"SaarConfig.similarity must be 'call' or 'code', got {self.similarity!r}")
-        if self.logprob_mode not in ("recompute", "rollout"):
-            raise ValueError(f"SaarConfig.logprob_mode must be 'recompute' or 'rollout', got {self.logprob_mode!r}")
+        schema.check(self)

@@ -1,10 +1,11 @@
 """The authors' SAAR rules that are not splicing: failure detection, labels, give-up text,
-the per-trajectory rollback-probability draw (research/open_cleaner.md §2.1-§2.3, §2.6).
+the per-trajectory rollback-probability draw (docs/authors.md §2.1-§2.3, §2.6).
 """
 from __future__ import annotations
 
-# Labels only: every failure triggers SAAR; the first pattern found in the text names it.
-DEFAULT_ERROR_LABELS: tuple[str, ...] = (
+# Labels only: every failure triggers SAAR; the first pattern found in the text names it (for
+# statistics). The authors' `rollback_on_errors` default; their runs never changed it.
+ERROR_LABELS: tuple[str, ...] = (
     "ImportError", "ModuleNotFoundError", "SyntaxError", "IndexError", "IndentationError", "NameError",
     "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
 )
@@ -24,11 +25,11 @@ def is_failure(text: str) -> bool:
     return bool(text) and "Tool call success" not in text
 
 
-def failure_label(text: str, labels: tuple[str, ...] = DEFAULT_ERROR_LABELS) -> str | None:
-    """None for a success, else the first label contained in `text`, else `unknown_error`."""
+def failure_label(text: str) -> str | None:
+    """None for a success, else the first of `ERROR_LABELS` contained in `text`, else `unknown_error`."""
     if not is_failure(text):
         return None
-    return next((label for label in labels if label in text), UNKNOWN_ERROR)
+    return next((label for label in ERROR_LABELS if label in text), UNKNOWN_ERROR)
 
 
 def give_up_text(error_text: str, retries: int) -> str:
