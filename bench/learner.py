@@ -4,13 +4,22 @@ both as a fraction of this machine's f32 matmul peak measured in the same run.
 
     .venv/bin/python bench/learner.py                 # toy + ~30M configs
     .venv/bin/python bench/learner.py --configs 30m --steps 3 --rounds 3
+    .venv/bin/python bench/learner.py --overhead --tiny   # cost of loss scaling and IS corrections
 
 Model FLOPs per step are 3x the forward FLOPs (2 per multiply-add of every matmul weight, plus
 the full [T, T] attention scores and weighted sum, which both implementations compute); the
 learner's rematerialised LM-head chunks are extra work that is not counted. Runs alternate
-between JAX and torch and report medians, because this VM's timings drift (research/env.md §5).
-The torch step runs in a child process (same batch, same checkpoint): sharing a process with
-JAX's thread pools made torch 5-10x slower here, which would flatter JAX.
+between JAX and torch and report medians, because the development box's timings drift
+(docs/performance.md §1). The torch step runs in a child process (same batch, same checkpoint),
+because sharing a process with JAX's thread pools slows torch down and would flatter JAX.
+Results: bench/RESULTS.md.
+
+`--overhead` times the learner's own step variants against each other instead, in one process
+on one batch, alternating variants each round: float16 compute with the dynamic loss scale vs
+without it (`cleaner_jax.rl.loss_scale`), and every rollout-IS and splice-correction mode the
+schema allows (the values of `LossConfig.tis`, `tis_mode` and `splice_correction`, read at run
+time) vs the plain step. The batch carries every optional learner field (rollout and behaviour
+log-probs, splice kinds, correctness), so every variant runs on the same inputs.
 """
 from __future__ import annotations
 
@@ -22,7 +31,8 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
 import jax
@@ -31,6 +41,8 @@ import numpy as np
 import torch
 
 from cleaner_jax.models import qwen
+from cleaner_jax.rl.batch import Batch
+from cleaner_jax.rl import learner as learner_mod
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint, tiny_config
@@ -79,14 +91,14 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def make_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+def make_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, vocab, size=(batch, seq)).astype(np.int32)
     attn = np.ones((batch, seq), np.float32)
     loss = np.zeros((batch, seq), np.float32)
     loss[:, seq // 8:] = 1.0  # a short prompt, then policy tokens
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss,
-            "advantages": rng.normal(size=(batch,)).astype(np.float32)}
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss,
+                 advantages=rng.normal(size=(batch,)).astype(np.float32))
 
 
 class TorchPPO:
@@ -145,7 +157,7 @@ def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[
             micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
         batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
         batch_file = os.path.join(tmp, "batch.npz")
-        np.savez(batch_file, **batch)
+        np.savez(batch_file, **{k: v for k, v in asdict(batch).items() if v is not None})
 
         t0 = time.perf_counter()
         learner.train_step(batch)  # compile
@@ -163,20 +175,130 @@ def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[
             "torch_frac_peak": flops / tt / peak, "gflop_per_step": flops / 1e9}
 
 
+# ----------------------------------------------------------------------------- step-variant overhead
+
+CORRECTION_FIELDS = ("tis", "tis_mode", "splice_correction")  # LossConfig fields whose modes are timed
+TIS_LEVEL_FOR_MODES = "sequence"  # rollout-IS level the tis_mode variants use (the authors' baselines)
+
+
+def correction_variants() -> list[tuple[str, dict[str, Any]]]:
+    """(name, LossConfig overrides) for every non-default value of the correction fields, read
+    from the schema at run time so a newly added mode is timed without editing this file."""
+    hints = typing.get_type_hints(LossConfig)
+    defaults = LossConfig()
+    missing = [f for f in CORRECTION_FIELDS if f not in hints]
+    if missing:
+        raise SystemExit(f"bench/learner.py: LossConfig has no field(s) {missing}; update CORRECTION_FIELDS")
+    out = []
+    for name in CORRECTION_FIELDS:
+        for value in typing.get_args(hints[name]):
+            if value == getattr(defaults, name):
+                continue
+            extra = {"tis": TIS_LEVEL_FOR_MODES} if name == "tis_mode" else {}
+            out.append((f"{name}={value}" + "".join(f" {k}={v}" for k, v in extra.items()), {name: value, **extra}))
+    return out
+
+
+def correction_batch(learner: Learner, batch: Batch, seed: int = 1) -> Batch:
+    """`batch` with every optional learner field: old log-probs from the learner, rollout and
+    behaviour log-probs off by noise, ~15% of policy tokens spliced (shallow or deep), half the
+    rows correct."""
+    rng = np.random.default_rng(seed)
+    b = learner.add_old_logprobs(batch)
+    policy = b.loss_mask > 0
+    shape = b.loss_mask.shape
+    values = {
+        "rollout_logprobs": b.old_logprobs + 0.05 * rng.standard_normal(shape).astype(np.float32),
+        "behaviour_logprobs": b.old_logprobs + 0.5 * rng.standard_normal(shape).astype(np.float32),
+        "splice_kind": np.where(policy & (rng.random(shape) < 0.15), rng.integers(1, 3, shape), 0).astype(np.int32),
+        "correct": (rng.random(shape[0]) < 0.5).astype(np.float32),
+    }
+    known = {"input_ids", "attention_mask", "loss_mask", "advantages", "old_logprobs", *values}
+    unknown = [f.name for f in fields(Batch) if f.name not in known]
+    if unknown:
+        raise SystemExit(f"bench/learner.py: Batch has field(s) {unknown} that correction_batch does not fill")
+    return replace(b, **{k: v for k, v in values.items() if k in {f.name for f in fields(Batch)}})
+
+
+def _step_fn(lr: Learner, cfg: LearnerConfig, loss_scaling: bool) -> Callable[[Any], Any]:
+    """The learner's pure train step for `cfg`, jitted without donation so that every call starts
+    from the same state (the timing of one variant never depends on another's updates)."""
+    tx = learner_mod.make_optimizer(cfg.optimizer)
+    fn = jax.jit(lambda params, rest, opt, scaler, batch: learner_mod.train_step(
+        lr.graphdef, tx, cfg, params, rest, opt, scaler, batch, loss_scaling=loss_scaling))
+    return lambda batch: jax.block_until_ready(fn(lr.params, lr.rest, lr.opt_state, lr.scaler, batch))
+
+
+def _time_variants(fns: dict[str, Callable[[], Any]], steps: int, rounds: int) -> dict[str, float]:
+    for fn in fns.values():  # compile, then one warm call
+        fn()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # alternate, so drift hits every variant alike
+        for k in order:
+            times[k] += [_timed(fns[k]) for _ in range(steps)]
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_overhead(bc: BenchConfig, steps: int, rounds: int) -> list[tuple[str, str, float, float]]:
+    """Rows (group, variant, median s, overhead vs the group's reference)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
+        hf = tiny_config("qwen3", **bc.overrides)
+        base = LearnerConfig(loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
+                             micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch,
+                             logprob_chunk_size=min(1024, bc.seq))
+        rows = []
+        # loss scaling: float16 compute (f32 parameters, as the paper configs) with and without the scale
+        fp16 = Learner(qwen.from_pretrained(path, param_dtype="float32", compute_dtype="float16"), base)
+        batch16 = fp16.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        plain16, scaled16 = _step_fn(fp16, base, False), _step_fn(fp16, base, True)
+        t = _time_variants({"fp16, no loss scale": lambda: plain16(batch16),
+                            "fp16 + dynamic loss scale": lambda: scaled16(batch16)}, steps, rounds)
+        ref = t["fp16, no loss scale"]
+        rows += [("loss scaling", k, v, v / ref - 1) for k, v in t.items()]
+        # corrections: float32, the plain step vs every correction mode, on one batch with every field
+        f32 = Learner(qwen.from_pretrained(path), base)
+        batch = correction_batch(f32, make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        variants = {"plain": base} | {name: replace(base, loss=replace(base.loss, **o)) for name, o in correction_variants()}
+        fns = {name: (lambda f=_step_fn(f32, cfg, False): f(batch)) for name, cfg in variants.items()}
+        t = _time_variants(fns, steps, rounds)
+        rows += [("corrections", k, v, v / t["plain"] - 1) for k, v in t.items()]
+    return rows
+
+
+def main_overhead(names: list[str], steps: int, rounds: int) -> None:
+    print(f"jax {jax.__version__} ({jax.devices()[0].platform}), load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs; medians of {steps} steps x {rounds} alternating rounds")
+    for n in names:
+        bc = CONFIGS[n]
+        print(f"\n{bc.name}, B x T = {bc.batch}x{bc.seq}")
+        print(f"{'group':<14}{'variant':<40}{'step s':>10}{'overhead':>10}")
+        for group, variant, sec, over in bench_overhead(bc, steps, rounds):
+            print(f"{group:<14}{variant:<40}{sec:>10.4f}{100 * over:>+9.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="toy,30m", help=f"comma-separated subset of {sorted(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating JAX/torch rounds")
+    ap.add_argument("--overhead", action="store_true",
+                    help="time loss scaling and every correction mode against the plain step (no torch)")
+    ap.add_argument("--tiny", action="store_true", help="only the toy shape (quick, CPU): --configs toy")
     ap.add_argument("--torch-worker", nargs=3, metavar=("CKPT", "BATCH_NPZ", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_worker:
         torch_worker(args.torch_worker[0], args.torch_worker[1], int(args.torch_worker[2]))
         return
-    names = args.configs.split(",")
+    names = ["toy"] if args.tiny else args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if args.overhead:
+        main_overhead(names, args.steps, args.rounds)
+        return
 
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cleaner_jax.models import qwen, sharding
+from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig, lr_schedule
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
@@ -36,7 +37,7 @@ def make_batch(seed=0, vocab=512):
     loss *= attn
     ids = np.where(attn > 0, ids, 0)
     adv = rng.normal(size=(B,)).astype(np.float32)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "advantages": adv}
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, advantages=adv)
 
 
 def cfg(**kw):
@@ -70,10 +71,10 @@ def test_logprobs_match_transformers(ckpt):
 
     batch = make_batch(1)
     learner = Learner(qwen.from_pretrained(ckpt), cfg())
-    ours = learner.logprobs(batch)
-    ref = torch_logprobs(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), batch["input_ids"],
-                         batch["attention_mask"])
-    m = batch["attention_mask"] > 0
+    ours = learner.logprobs(batch.input_ids, batch.attention_mask)
+    ref = torch_logprobs(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), batch.input_ids,
+                         batch.attention_mask)
+    m = batch.attention_mask > 0
     m[:, 0] = False
     np.testing.assert_allclose(ours[m], ref[m], atol=2e-5)
     assert np.all(ours[:, 0] == 0)
@@ -90,11 +91,11 @@ def test_one_update_matches_torch_adamw(ckpt):
 
     tm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=ADAM_EPS, weight_decay=0.01)
-    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
-    logits = tm(input_ids=ids, attention_mask=torch.tensor(batch["attention_mask"], dtype=torch.long)).logits
+    ids = torch.tensor(batch.input_ids, dtype=torch.long)
+    logits = tm(input_ids=ids, attention_mask=torch.tensor(batch.attention_mask, dtype=torch.long)).logits
     lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    mask = torch.tensor(batch["loss_mask"][:, 1:])
-    adv = torch.tensor(batch["advantages"])[:, None]
+    mask = torch.tensor(batch.loss_mask[:, 1:])
+    adv = torch.tensor(batch.advantages)[:, None]
     loss = -(adv * lp * mask).sum() / mask.sum()
     loss.backward()
     gnorm = torch.nn.utils.clip_grad_norm_(tm.parameters(), 0.5)
@@ -105,7 +106,7 @@ def test_one_update_matches_torch_adamw(ckpt):
     assert metrics["loss"] == pytest.approx(expected_value.item(), rel=1e-4, abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(gnorm.item(), rel=1e-3)
     assert gnorm.item() > 0.5  # clipping was active
-    assert metrics["num_policy_tokens"] == batch["loss_mask"].sum()
+    assert metrics["num_policy_tokens"] == batch.loss_mask.sum()
     np.testing.assert_allclose(np.asarray(new.embed_tokens.embedding[...]),
                                tm.model.embed_tokens.weight.detach().numpy(), atol=2e-5)
     np.testing.assert_allclose(np.asarray(new.layers[1].mlp.down_proj.kernel[...]),
@@ -119,8 +120,8 @@ def test_micro_batches_equal_one_big_batch(ckpt):
     for mb in (B, 2):
         learner = Learner(qwen.from_pretrained(ckpt), cfg(micro_batch_size=mb))
         full = learner.add_old_logprobs(batch)
-        full["old_logprobs"] = full["old_logprobs"] + 0.05 * np.random.default_rng(1).normal(size=(B, T)).astype(np.float32)
-        full["rollout_logprobs"] = rollout
+        noise = 0.05 * np.random.default_rng(1).normal(size=(B, T)).astype(np.float32)
+        full = dataclasses.replace(full, old_logprobs=full.old_logprobs + noise, rollout_logprobs=rollout)
         results.append((learner.train_step(full), params_np(learner)))
     (m1, p1), (m2, p2) = results
     assert m1.keys() == m2.keys()
@@ -132,12 +133,13 @@ def test_micro_batches_equal_one_big_batch(ckpt):
 
 def test_padding_and_masked_tokens_do_not_matter(ckpt):
     batch = make_batch(4)
-    poisoned = {k: v.copy() for k, v in batch.items()}
     rng = np.random.default_rng(9)
-    pad = batch["attention_mask"] == 0
-    poisoned["input_ids"][pad] = rng.integers(3, 512, size=int(pad.sum()))
-    poisoned["old_logprobs"] = np.where(batch["loss_mask"] > 0, 0.0, 1e9).astype(np.float32)
-    base = dict(batch, old_logprobs=np.zeros((B, T), np.float32))
+    pad = batch.attention_mask == 0
+    ids = batch.input_ids.copy()
+    ids[pad] = rng.integers(3, 512, size=int(pad.sum()))
+    poisoned = dataclasses.replace(batch, input_ids=ids,
+                                   old_logprobs=np.where(batch.loss_mask > 0, 0.0, 1e9).astype(np.float32))
+    base = dataclasses.replace(batch, old_logprobs=np.zeros((B, T), np.float32))
     out = []
     for b in (base, poisoned):
         learner = Learner(qwen.from_pretrained(ckpt), cfg())
@@ -177,9 +179,9 @@ def test_gap_metrics_with_rollout_logprobs(ckpt):
     batch = make_batch(7)
     learner = Learner(qwen.from_pretrained(ckpt), cfg())
     with_old = learner.add_old_logprobs(batch)
-    m = batch["loss_mask"] > 0
+    m = batch.loss_mask > 0
     shift = np.where(np.arange(T)[None] % 2 == 0, 0.2, 0.0).astype(np.float32)  # half of the tokens off by 0.2
-    with_old["rollout_logprobs"] = with_old["old_logprobs"] - shift
+    with_old = dataclasses.replace(with_old, rollout_logprobs=with_old.old_logprobs - shift)
     metrics = learner.train_step(with_old)
     d = np.broadcast_to(shift, (B, T))[m]
     assert metrics["gap/abs_diff"] == pytest.approx(d.mean(), rel=1e-4)
@@ -221,18 +223,24 @@ def test_lr_schedule_warmup_per_rl_step():
 def test_bad_batches_raise(ckpt):
     learner = Learner(qwen.from_pretrained(ckpt), cfg(micro_batch_size=4))
     batch = make_batch(0)
-    with pytest.raises(ValueError, match="unknown keys"):
-        learner.train_step(dict(batch, labels=batch["input_ids"]))
-    bad = dict(batch, loss_mask=batch["loss_mask"].copy())
-    bad["loss_mask"][0, 0] = 1
+    with pytest.raises(TypeError, match="expected cleaner_jax.rl.batch.Batch, got dict"):
+        learner.train_step(dataclasses.asdict(batch))  # the old dict batches are refused, not guessed at
+    with pytest.raises(TypeError, match="labels"):
+        Batch(**dataclasses.asdict(batch), labels=batch.input_ids)
+    with pytest.raises(ValueError, match="input_ids is required"):
+        learner.train_step(dataclasses.replace(batch, input_ids=None))
+    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(8, 23\)"):
+        learner.train_step(dataclasses.replace(batch, rollout_logprobs=np.zeros((B, T - 1), np.float32)))
+    loss = batch.loss_mask.copy()
+    loss[0, 0] = 1
     with pytest.raises(ValueError, match=r"loss_mask\[:, 0\]"):
-        learner.train_step(bad)
+        learner.train_step(dataclasses.replace(batch, loss_mask=loss))
     with pytest.raises(ValueError, match="right-padded"):
-        learner.train_step(dict(batch, attention_mask=batch["attention_mask"][:, ::-1].copy()))
+        learner.train_step(dataclasses.replace(batch, attention_mask=batch.attention_mask[:, ::-1].copy()))
     with pytest.raises(ValueError, match="advantages is not finite"):
-        learner.train_step(dict(batch, advantages=np.full(B, np.nan, np.float32)))
+        learner.train_step(dataclasses.replace(batch, advantages=np.full(B, np.nan, np.float32)))
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        learner.train_step({k: v[:6] for k, v in batch.items()})
+        learner.train_step(batch.rows(slice(0, 6)))
     with pytest.raises(RuntimeError, match="checkpoint_dir"):
         learner.save(1, {})
     with pytest.raises(ValueError, match="temperature"):

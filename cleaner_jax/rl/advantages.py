@@ -4,12 +4,14 @@ DAPO overlong reward shaping.
 These run on the host, once per RL step, over one scalar outcome per trajectory, so they are
 plain NumPy: exact, easy to test, and free of recompilation when group sizes vary.
 
-Faithful defaults follow Open-CLEANER/verl (`research/open_cleaner.md` §4):
+Faithful defaults follow Open-CLEANER/verl (`docs/authors.md` §4):
   * GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)``, ``std_g`` unbiased (``torch.std``), eps 1e-6.
   * A group with a single (valid) member gets mean 0 and std 1, so ``A = r / (1 + eps)`` for
     GRPO and ``A = r`` for Dr.GRPO and RLOO. ``singleton="zero"`` is the alternative (A = 0).
   * Groups whose rewards are all equal get advantage exactly 0 but still exist (no dynamic
-    sampling); `zero_adv_group_frac` reports how many of them there are.
+    sampling); `zero_adv_group_frac` reports how many of them there are, and `zero_group` which
+    trajectories they hold (the RL step's `exclude_zero_adv_groups` takes them out of the loss
+    denominator; docs/authors.md §9.10).
 
 Trajectories whose `valid` flag is False (infrastructure failures: sandbox crash, server
 unreachable) never enter group statistics and get advantage 0; the caller must also drop
@@ -34,6 +36,7 @@ class AdvantageResult:
     zero_adv_group_frac: float  # fraction of groups (with >= 1 valid member) whose advantages are all 0
     num_groups: int  # groups with at least one valid member
     num_invalid: int  # trajectories excluded from statistics
+    zero_group: np.ndarray  # [N] bool: a valid trajectory of a group whose advantages are all 0
 
     def metrics(self, prefix: str = "adv/") -> dict[str, float]:
         return {
@@ -91,6 +94,7 @@ def compute_advantages(
     adv = np.zeros(n, dtype=np.float64)
     groups_seen = 0
     zero_groups = 0
+    in_zero_group = np.zeros(n, dtype=bool)
     for g in np.unique(gidx[valid]):
         members = np.flatnonzero((gidx == g) & valid)
         r = rewards[members]
@@ -117,12 +121,14 @@ def compute_advantages(
         adv[members] = a
         if np.all(a == 0.0):
             zero_groups += 1
+            in_zero_group[members] = True
     frac = zero_groups / groups_seen if groups_seen else 0.0
     return AdvantageResult(
         advantages=adv.astype(np.float32),
         zero_adv_group_frac=float(frac),
         num_groups=groups_seen,
         num_invalid=int(n - valid.sum()),
+        zero_group=in_zero_group,
     )
 
 

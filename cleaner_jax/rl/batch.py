@@ -1,6 +1,7 @@
-"""The learner's input batch: keys, validation, micro-batch split and placement on the mesh.
+"""The learner's input batch: one typed pytree, built from trajectories, validated, split into
+micro-batches and placed on the mesh.
 
-A batch is a dict of right-padded arrays built by the agent side, one row per trajectory:
+One row per trajectory, right-padded; index t is token t of `prompt ++ response`:
 
   input_ids         [B, T] int32  prompt + response tokens (policy turns and observations)
   attention_mask    [B, T]        1 = real token, 0 = right padding (a prefix of ones per row)
@@ -9,57 +10,149 @@ A batch is a dict of right-padded arrays built by the agent side, one row per tr
                                   | input_ids[:, :t]). Column 0 must be 0; padding must be 0.
   advantages        [B] or [B, T] float
   old_logprobs      [B, T] optional; log pi_old of each token, position-aligned like loss_mask.
-                                  Absent: the current parameters are pi_old (ratio 1 at this update).
-  rollout_logprobs  [B, T] optional; the engine's log-prob of each sampled token (aligned likewise)
-  ref_logprobs      [B, T] optional; reference-policy log-probs, for a KL term
+                                  None: the current parameters are pi_old (ratio 1 at this update).
+  rollout_logprobs  [B, T] optional; the engine's log-prob of each sampled token (aligned likewise;
+                                  for a spliced token, re-scored in the purified context in
+                                  saar.logprob_mode=rollout, else as sampled)
+  behaviour_logprobs [B, T] optional; log-prob of each token under the context it was sampled
+                                  in (for a spliced token: with the failed call and its error)
+  splice_kind       [B, T] int32 optional; `cleaner_jax.trajectory` codes: 0 not spliced,
+                                  1 shallow splice, 2 deep splice
+  correct           [B] optional; 1 = the row's answer was correct (the `nll_sequences=correct`
+                                  control), 0 otherwise
 
-All per-token float arrays use the same alignment as `cleaner_jax.rl.logprobs.token_logprobs`.
+All per-token float arrays use the same alignment as `cleaner_jax.rl.logprobs.token_logprobs`
+and as `cleaner_jax.trajectory.Trajectory`. Being a registered pytree, a `Batch` goes through
+`jax.jit`, `jax.tree.map` and `lax.scan` as it is; an optional field left None is part of the
+tree structure (so a batch with old log-probs and one without compile separately).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-REQUIRED_KEYS = ("input_ids", "attention_mask", "loss_mask", "advantages")
-OPTIONAL_KEYS = ("old_logprobs", "rollout_logprobs", "ref_logprobs")
-_INT_KEYS = ("input_ids",)
-_MASK_KEYS = ("attention_mask", "loss_mask")
+from cleaner_jax.models.sharding import BATCH_SPEC, FSDP
+from cleaner_jax.trajectory import Trajectory
 
-Batch = dict[str, jax.Array]
+Tree = TypeVar("Tree")
 
 
-def validate_batch(batch: Mapping[str, Any], micro_batch_size: int | None = None) -> dict[str, np.ndarray]:
-    """Check keys, shapes and mask conventions; return host NumPy arrays with canonical dtypes.
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Right-padded learner arrays (host NumPy or device jax.Array); see the module docstring."""
 
-    Raises ValueError naming the offending key and what to change.
+    input_ids: Any  # [B, T] int32
+    attention_mask: Any  # [B, T] float32, 1 on real tokens
+    loss_mask: Any  # [B, T] float32, 1 on policy tokens
+    advantages: Any  # [B] or [B, T] float32
+    old_logprobs: Any | None = None  # [B, T] float32
+    rollout_logprobs: Any | None = None  # [B, T] float32
+    behaviour_logprobs: Any | None = None  # [B, T] float32
+    splice_kind: Any | None = None  # [B, T] int32, 0 / 1 shallow / 2 deep
+    correct: Any | None = None  # [B] float32, 1 = correct answer
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def lengths(self) -> np.ndarray:  # [B] int32, real tokens per row (padding comes from these)
+        return np.asarray(self.attention_mask).sum(axis=-1).astype(np.int32)
+
+    def rows(self, index: slice | np.ndarray | Sequence[int]) -> Batch:
+        """The batch restricted to some rows (every field, optional ones included)."""
+        return jax.tree.map(lambda x: x[index], self)
+
+
+jax.tree_util.register_dataclass(Batch, data_fields=[f.name for f in dataclasses.fields(Batch)], meta_fields=[])
+
+_OPTIONAL = ("old_logprobs", "rollout_logprobs", "behaviour_logprobs", "splice_kind", "correct")
+_PER_ROW = {"advantages": [1, 2], "correct": [1]}  # allowed ranks; every other field is [B, T]
+
+
+def from_trajectories(trajectories: Sequence[Trajectory], advantages: np.ndarray, *, pad_id: int = 0,
+                      width: int | None = None) -> Batch:
+    """Right-pad full sequences (prompt ++ response) to `width` (default: the longest).
+
+    `advantages`: [N] or [N, T]. `rollout_logprobs`, `behaviour_logprobs` and `splice_kind` are
+    the trajectories' (0 on prompt and observation tokens); `old_logprobs` stay None (the RL step
+    decides where they come from), and so does `correct` (only the step knows the rewards).
+    The pad id only fills `input_ids`: masks come from the trajectories' lengths, never from
+    comparing ids with `pad_id`.
     """
-    missing = [k for k in REQUIRED_KEYS if k not in batch]
-    unknown = [k for k in batch if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
-    if missing or unknown:
-        raise ValueError(f"learner batch: missing keys {missing}, unknown keys {unknown}; "
-                         f"expected {REQUIRED_KEYS} plus optional {OPTIONAL_KEYS}")
-    out: dict[str, np.ndarray] = {}
-    ids = np.asarray(batch["input_ids"])
+    if not trajectories:
+        raise ValueError("from_trajectories: needs at least one trajectory")
+    lengths = np.array([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], dtype=np.int32)
+    width = int(lengths.max()) if width is None else width
+    if lengths.max() > width:
+        raise ValueError(f"from_trajectories: a trajectory has {int(lengths.max())} tokens but width={width}; "
+                         "truncate it first (Trajectory.truncate) or pass a larger width")
+    adv = np.asarray(advantages, dtype=np.float32)
+    if adv.shape[0] != len(trajectories):
+        raise ValueError(f"from_trajectories: {adv.shape[0]} advantages for {len(trajectories)} trajectories")
+    b = len(trajectories)
+    input_ids = np.full((b, width), pad_id, dtype=np.int32)
+    attention = np.zeros((b, width), dtype=np.float32)
+    loss = np.zeros((b, width), dtype=np.float32)
+    rollout = np.zeros((b, width), dtype=np.float32)
+    behaviour = np.zeros((b, width), dtype=np.float32)
+    kind = np.zeros((b, width), dtype=np.int32)
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), int(lengths[i])
+        input_ids[i, :n] = t.full_ids
+        attention[i, :n] = 1
+        loss[i, p:n] = t.loss_mask
+        rollout[i, p:n] = t.rollout_logprobs
+        behaviour[i, p:n] = t.behaviour_logprobs
+        kind[i, p:n] = t.splice_kind
+    return Batch(input_ids, attention, loss, adv, rollout_logprobs=rollout, behaviour_logprobs=behaviour,
+                 splice_kind=kind)
+
+
+def validate_batch(batch: Batch, micro_batch_size: int | None = None) -> Batch:
+    """Check shapes and mask conventions; return host NumPy arrays with canonical dtypes.
+
+    Raises TypeError for anything but a `Batch`, ValueError naming the offending field and what
+    to change.
+    """
+    if not isinstance(batch, Batch):
+        raise TypeError(f"learner batch: expected cleaner_jax.rl.batch.Batch, got {type(batch).__name__}; "
+                        "build one with Batch(input_ids=..., ...) or rl.batch.from_trajectories(...)")
+    missing = [f.name for f in dataclasses.fields(Batch) if f.name not in _OPTIONAL and getattr(batch, f.name) is None]
+    if missing:
+        raise ValueError(f"learner batch: {', '.join(missing)} is required, got None")
+    ids = np.asarray(batch.input_ids)
     if ids.ndim != 2:
         raise ValueError(f"learner batch: input_ids must be [B, T], got shape {ids.shape}")
     b, t = ids.shape
-    for k, v in batch.items():
+    out: dict[str, np.ndarray | None] = {}
+    for f in dataclasses.fields(Batch):
+        v = getattr(batch, f.name)
+        if v is None:  # an optional field (required ones were checked above)
+            out[f.name] = None
+            continue
         a = np.asarray(v)
-        want = [(b,), (b, t)] if k == "advantages" else [(b, t)]
+        want = [(b, t)[:rank] for rank in _PER_ROW.get(f.name, [2])]
         if a.shape not in want:
-            raise ValueError(f"learner batch: {k} has shape {a.shape}, expected one of {want}")
-        if k in _INT_KEYS:
+            raise ValueError(f"learner batch: {f.name} has shape {a.shape}, expected one of {want}")
+        if f.name == "input_ids":
             a = a.astype(np.int32)
-        elif k in _MASK_KEYS:
+        elif f.name == "splice_kind":
+            if not np.isin(a, (0, 1, 2)).all():
+                raise ValueError("learner batch: splice_kind must contain only 0 (not spliced), 1 (shallow), 2 (deep)")
+            a = a.astype(np.int32)
+        elif f.name in ("attention_mask", "loss_mask", "correct"):
             if not np.isin(a, (0, 1)).all():
-                raise ValueError(f"learner batch: {k} must contain only 0/1")
+                raise ValueError(f"learner batch: {f.name} must contain only 0/1")
             a = a.astype(np.float32)
         else:
             a = a.astype(np.float32)
-        out[k] = a
+        out[f.name] = a
     attn, loss = out["attention_mask"], out["loss_mask"]
     if np.any(np.diff(attn, axis=1) > 0):
         raise ValueError("learner batch: attention_mask must be right-padded (ones then zeros in every row)")
@@ -68,31 +161,34 @@ def validate_batch(batch: Mapping[str, Any], micro_batch_size: int | None = None
                          "the mask is aligned with the predicted token, see cleaner_jax.rl.batch")
     if np.any(loss > attn):
         raise ValueError("learner batch: loss_mask is 1 on a padding position (attention_mask 0)")
-    for k in ("advantages",) + OPTIONAL_KEYS:
-        if k in out:
+    for k in ("advantages", "old_logprobs", "rollout_logprobs", "behaviour_logprobs"):
+        if out[k] is not None:
             on_policy = out[k][loss > 0] if out[k].ndim == 2 else out[k][loss.sum(axis=1) > 0]
             if not np.all(np.isfinite(on_policy)):
                 raise ValueError(f"learner batch: {k} is not finite on a policy token")
     if micro_batch_size is not None and b % micro_batch_size:
         raise ValueError(f"learner batch: batch size {b} is not a multiple of micro_batch_size {micro_batch_size}")
-    return out
+    return Batch(**out)
 
 
-def split_micro_batches(batch: Mapping[str, jax.Array], micro_batch_size: int) -> dict[str, jax.Array]:
-    """[B, ...] -> [B // mb, mb, ...]. Micro-batch i holds rows i, i + n, i + 2n, ... (n = B // mb),
-    so a batch sharded in contiguous blocks over `fsdp` keeps every micro-batch evenly sharded."""
+def split_micro_batches(tree: Tree, micro_batch_size: int) -> Tree:
+    """Every [B, ...] leaf -> [B // mb, mb, ...]. Micro-batch i holds rows i, i + n, i + 2n, ...
+    (n = B // mb), so a batch sharded in contiguous blocks over `fsdp` keeps every micro-batch
+    evenly sharded."""
     def split(x: jax.Array) -> jax.Array:
         n = x.shape[0] // micro_batch_size
         return x.reshape(micro_batch_size, n, *x.shape[1:]).swapaxes(0, 1)
 
-    return {k: split(v) for k, v in batch.items()}
+    return jax.tree.map(split, tree)
 
 
-def place_batch(batch: Mapping[str, np.ndarray], mesh: Mesh | None) -> Batch:
-    """Put a host batch on device(s): rows split over `fsdp`, replicated over `tp`."""
+def place_batch(tree: Tree, mesh: Mesh | None) -> Tree:
+    """Put a host batch (a `Batch` or any pytree of per-row arrays) on device(s):
+    `sharding.BATCH_SPEC`, i.e. rows split over `fsdp`, replicated over `tp`."""
     if mesh is None:
-        return {k: jax.device_put(v) for k, v in batch.items()}
-    b = next(iter(batch.values())).shape[0]
-    if b % mesh.shape["fsdp"]:
-        raise ValueError(f"learner batch: batch size {b} is not divisible by the fsdp mesh axis ({mesh.shape['fsdp']})")
-    return {k: jax.device_put(v, NamedSharding(mesh, P("fsdp", *([None] * (v.ndim - 1))))) for k, v in batch.items()}
+        return jax.tree.map(jax.device_put, tree)
+    b = jax.tree.leaves(tree)[0].shape[0]
+    if b % mesh.shape[FSDP]:
+        raise ValueError(f"learner batch: batch size {b} is not divisible by the fsdp mesh axis ({mesh.shape[FSDP]})")
+    rows = NamedSharding(mesh, BATCH_SPEC)
+    return jax.tree.map(lambda v: jax.device_put(v, rows), tree)

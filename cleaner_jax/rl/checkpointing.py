@@ -3,7 +3,7 @@ else a resume needs (global step, data position, RNG state, ...).
 
 Restores always go into an abstract target built from the live arrays (shape, dtype *and*
 sharding): without shardings orbax refuses to restore on another topology, and a target also
-reshards on load if the mesh changed (research/env.md §6).
+reshards on load if the mesh changed (docs/environment.md §2).
 """
 from __future__ import annotations
 

@@ -7,12 +7,15 @@ size alone put ~8% of tokens outside it, trl#6789). Used by the train step (old 
 log-probs) and by the weight-sync probe (learner vs engine after an update).
 
 Returned as (sum, count) pairs and maxima, like `cleaner_jax.rl.losses`, so micro-batches
-combine exactly.
+combine exactly. The learner reports these over non-spliced policy tokens as `gap/*` (the real
+sync mismatch) and over spliced ones as `gap/spliced/*`; `splice_metrics` measures the spliced
+tokens against their behaviour log-probs instead.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _BOUND = 20.0
 
@@ -53,4 +56,49 @@ def logprob_gap_metrics(
     sums, count, maxes = logprob_gap_sums(jnp.asarray(learner_logp), jnp.asarray(rollout_logp), jnp.asarray(mask), band)
     out = {k: float(v) / max(float(count), 1.0) for k, v in sums.items()}
     out.update({k: float(v) for k, v in maxes.items()})
+    return out
+
+
+_SPLICE_KINDS = (("shallow", 1), ("deep", 2))  # `cleaner_jax.trajectory` SPLICED_SHALLOW / SPLICED_DEEP
+
+
+def splice_metrics(
+    old_logp: np.ndarray | None,  # [B, T] pi_old on the purified sequences (the step's old log-probs)
+    behaviour_logp: np.ndarray | None,  # [B, T] as sampled (the error was in context for spliced tokens)
+    mask: np.ndarray,  # [B, T] 1 = policy token
+    splice_kind: np.ndarray | None,  # [B, T] 0 not spliced, 1 shallow, 2 deep
+) -> dict[str, float]:
+    """How off-policy SAAR's spliced tokens are, once per RL step, on the host (exact percentiles
+    over the whole step rather than per micro-batch). With d = log pi_old - log pi_behaviour on
+    spliced policy tokens (docs/estimators.md §2):
+
+      splice/token_frac, splice/{shallow,deep}/token_frac   share of policy tokens spliced (by kind)
+      splice/log_ratio_{mean,p5,p50,p95}                    d over all spliced tokens
+      splice/{shallow,deep}/log_ratio_{mean,p5,p50,p95}     d per splice kind (NaN when none)
+
+    pi_old is whatever the step trains against: the learner's recomputation in decoupled mode,
+    the engine's re-scoring of the purified context in bypass mode. Empty dict when the batch
+    carries no splice information (a batch not built from trajectories).
+    """
+    if splice_kind is None or behaviour_logp is None or old_logp is None:
+        return {}
+    policy = np.asarray(mask) > 0
+    kind = np.where(policy, np.asarray(splice_kind), 0)
+    d = np.asarray(old_logp, np.float64) - np.asarray(behaviour_logp, np.float64)
+    n = max(int(policy.sum()), 1)
+    out = {"splice/token_frac": float((kind > 0).sum()) / n}
+
+    def stats(prefix: str, sel: np.ndarray) -> None:
+        x = d[sel]
+        if x.size == 0:
+            out.update({f"{prefix}log_ratio_{k}": float("nan") for k in ("mean", "p5", "p50", "p95")})
+            return
+        p5, p50, p95 = np.percentile(x, [5, 50, 95])
+        out.update({f"{prefix}log_ratio_mean": float(x.mean()), f"{prefix}log_ratio_p5": float(p5),
+                    f"{prefix}log_ratio_p50": float(p50), f"{prefix}log_ratio_p95": float(p95)})
+
+    stats("splice/", kind > 0)
+    for name, code in _SPLICE_KINDS:
+        out[f"splice/{name}/token_frac"] = float((kind == code).sum()) / n
+        stats(f"splice/{name}/", kind == code)
     return out

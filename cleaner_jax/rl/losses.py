@@ -1,5 +1,6 @@
-"""Policy-gradient losses (PPO clip with clip-higher and dual clip, optional KL and entropy
-terms, truncated importance sampling against rollout log-probs) and the supervised NLL control.
+"""Policy-gradient losses (PPO clip with clip-higher and dual clip, an optional entropy bonus,
+rollout importance sampling, the splice correction) and the supervised NLL control. There is no
+KL term: the authors train without one, and no reference policy exists here.
 
 Every loss returns an unreduced ``(sum, count)`` pair instead of a mean: the learner sums both
 over micro-batches and divides once, so a token-mean over a mini-batch is exact however its
@@ -13,15 +14,18 @@ or gradients, and masked tokens get exactly zero gradient and leave every denomi
 Formulas (r = exp(logp - old), A = advantage, per policy token):
   ppo:    l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
           dual clip (A < 0): l = min(l, -A c)          (verl `compute_policy_loss_vanilla`)
-          l *= w_tis  (detached; token: min(exp(old - rollout), cap),
-                       sequence: min(exp(sum_t(old - rollout)), cap))
-  nll:    l = -logp
-  then    l += kl_coef * kl(logp, ref) - entropy_coef * entropy
-  kl:     k1 = logp - ref;  k3 = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
-Aggregation (the verl names):
-  token-mean:           sum_{b,t} l / sum_{b,t} mask
-  seq-mean-token-sum:   sum_b (sum_t l)              / #sequences with a policy token
-  seq-mean-token-mean:  sum_b (sum_t l / sum_t mask) / #sequences with a policy token
+          l *= w_rollout * w_splice  (detached; `cleaner_jax.rl.importance`, docs/estimators.md)
+  nll:    l = -logp   on the sequences `nll_sequences` selects
+  then    l -= entropy_coef * entropy
+The tokens that enter the loss ("used") are the policy tokens minus those rejected by rollout IS
+(tis_mode mask/reject), by the splice correction (mask), spliced tokens under
+splice_correction=exclude, and, for nll, the sequences not selected. Aggregation over the used
+tokens (the verl names):
+  token-mean:           sum_{b,t} l / sum_{b,t} used
+  seq-mean-token-sum:   sum_b (sum_t l)              / #sequences with a used token
+  seq-mean-token-mean:  sum_b (sum_t l / sum_t used) / #sequences with a used token
+Loss metrics (pg_*, ppo_kl, ratio_*, entropy) are over the used tokens; the IS metrics over the
+tokens they weigh (see `cleaner_jax.rl.importance`).
 """
 from __future__ import annotations
 
@@ -31,44 +35,44 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from cleaner_jax import schema
+from cleaner_jax.rl.importance import LOG_RATIO_BOUND, TisLevel, TisMode, rollout_is, splice_is
+
 LossKind = Literal["ppo", "nll"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-_LOG_RATIO_BOUND = 20.0  # exp(20) ~ 5e8: keeps exp finite in f32, as verl
+NllSequences = Literal["all", "correct", "positive_advantage"]
+# Declared again as `cleaner_jax.saar.config.SpliceCorrection` (the `saar.splice_correction` key;
+# saar/ and rl/ may not import each other); tests/test_splice_correction.py keeps the two equal.
+SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Loss settings. Defaults are the authors' (Open-CLEANER, DAPO-style) values."""
+    """Loss settings, each declared once (the run config's `algo.*` keys borrow them). Defaults
+    are the authors' (Open-CLEANER, DAPO-style) values."""
 
-    kind: LossKind = "ppo"  # "nll": supervised imitation of the (purified) trajectories
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # clip-higher (DAPO)
-    dual_clip_c: float | None = 10.0  # None disables dual clip
-    agg: AggMode = "token-mean"
-    kl_coef: float = 0.0  # > 0 requires ref_logprobs
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    entropy_coef: float = 0.0  # bonus: subtracts entropy_coef * entropy
-    tis: Literal["none", "token", "sequence"] = "none"  # needs rollout_logprobs; baselines: "sequence"
-    tis_cap: float = 2.0
-    nll_sequences: Literal["all", "positive_advantage"] = "all"  # kind="nll" only
+    kind: LossKind = schema.field("ppo", help="ppo; nll: supervised imitation of the (purified) trajectories")
+    clip_low: float = schema.field(0.2, ge=0.0, lt=1.0, help="PPO clip: ratio >= 1 - clip_low")
+    clip_high: float = schema.field(0.28, ge=0.0, help="PPO clip-higher (DAPO): ratio <= 1 + clip_high")
+    dual_clip_c: float | None = schema.field(10.0, gt=1.0, help="dual-clip c for A < 0; None disables it")
+    agg: AggMode = schema.field("token-mean", help="how per-token losses are averaged (verl's names)")
+    entropy_coef: float = schema.field(0.0, ge=0.0, help="entropy bonus: subtracts entropy_coef * entropy")
+    tis: TisLevel = schema.field(
+        "none", help="rollout IS pi_old / pi_rollout per token or per sequence (needs rollout log-probs); "
+        "the authors' baselines: sequence")
+    tis_cap: float = schema.field(2.0, gt=0.0, help="rollout-IS cap c (truncate: min(r, c); mask/reject: [1/c, c])")
+    tis_mode: TisMode = schema.field(
+        "truncate", help="rollout IS: truncate (TIS, authors), mask (MIS: weight r, drop outside [1/c, c]), "
+        "reject (weight 1, drop outside [1/c, c])")
+    nll_sequences: NllSequences = schema.field(
+        "all", help="kind=nll only: imitate all sequences, the correct ones, or those with a positive advantage")
+    splice_correction: SpliceCorrection = schema.field(
+        "none", help="spliced tokens in the loss: none (authors), tis, mask, exclude (docs/estimators.md §3); "
+        "the run config's saar.splice_correction")
+    splice_cap: float = schema.field(2.0, ge=1.0, help="splice correction cap (the run config's saar.splice_cap)")
 
     def __post_init__(self) -> None:
-        if self.kind not in ("ppo", "nll"):
-            raise ValueError(f"LossConfig.kind={self.kind!r}: use 'ppo' or 'nll'")
-        if self.agg not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-            raise ValueError(f"LossConfig.agg={self.agg!r}: use token-mean, seq-mean-token-sum or seq-mean-token-mean")
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(f"LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"LossConfig.dual_clip_c={self.dual_clip_c} must be > 1 (or None to disable)")
-        if self.kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"LossConfig.kl_estimator={self.kl_estimator!r}: use 'k1' or 'k3'")
-        if self.tis not in ("none", "token", "sequence"):
-            raise ValueError(f"LossConfig.tis={self.tis!r}: use 'none', 'token' or 'sequence'")
-        if self.tis_cap <= 0:
-            raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be > 0")
-        if self.nll_sequences not in ("all", "positive_advantage"):
-            raise ValueError(f"LossConfig.nll_sequences={self.nll_sequences!r}: use 'all' or 'positive_advantage'")
+        schema.check(self)
 
 
 class LossOutput(NamedTuple):
@@ -96,34 +100,6 @@ def reduce_metrics(out: LossOutput) -> dict[str, jax.Array]:
     return metrics
 
 
-def kl_penalty(logp: jax.Array, ref_logp: jax.Array, estimator: str) -> jax.Array:
-    """Per-token KL(pi || ref) estimate from samples of pi. k3 is verl's `low_var_kl`."""
-    if estimator == "k1":
-        return logp - ref_logp
-    log_r = jnp.clip(ref_logp - logp, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    return jnp.clip(jnp.exp(log_r) - log_r - 1.0, -10.0, 10.0)
-
-
-def tis_weights(
-    old_logp: jax.Array,  # [B, T]
-    rollout_logp: jax.Array,  # [B, T]
-    mask: jax.Array,  # [B, T] bool
-    level: str,
-    cap: float,
-) -> tuple[jax.Array, jax.Array]:
-    """Truncated IS weights pi_old / pi_rollout (detached), and whether each was truncated.
-
-    Returns ``(weights [B, T], truncated [B, T] bool)``; both 0/False at masked tokens.
-    """
-    log_r = jnp.where(mask, old_logp - rollout_logp, 0.0)
-    if level == "sequence":
-        log_r = jnp.broadcast_to(jnp.sum(log_r, axis=-1, keepdims=True), mask.shape)
-    log_r = jnp.clip(log_r, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-    raw = jnp.exp(log_r)
-    w = jax.lax.stop_gradient(jnp.minimum(raw, cap))
-    return jnp.where(mask, w, 0.0), mask & (raw > cap)
-
-
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
     """``(numerator, denominator)`` of a masked per-token quantity for one aggregation mode."""
     x = jnp.where(mask, per_token, 0.0)
@@ -148,27 +124,81 @@ def compute_loss(
     old_logp: jax.Array | None = None,  # [B, T] required for kind="ppo"
     entropy: jax.Array | None = None,  # [B, T] required if entropy_coef > 0 (else only logged)
     rollout_logp: jax.Array | None = None,  # [B, T] required if tis != "none"
-    ref_logp: jax.Array | None = None,  # [B, T] required if kl_coef > 0
+    behaviour_logp: jax.Array | None = None,  # [B, T] required if splice_correction is tis or mask
+    splice_kind: jax.Array | None = None,  # [B, T] > 0 on spliced tokens; required if splice_correction != none
+    correct: jax.Array | None = None,  # [B] 1 = the sequence's answer is correct; required for nll_sequences=correct
 ) -> LossOutput:
     """The configured loss on one micro-batch, unreduced. See the module docstring."""
     m = mask.astype(bool)
-    ntok = jnp.sum(m.astype(jnp.float32))
     logp = logp.astype(jnp.float32)
     adv = advantages.astype(jnp.float32)
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, m.shape)
     adv = jnp.where(m, adv, 0.0)
     logp_m = jnp.where(m, logp, 0.0)
     sums: dict[str, jax.Array] = {}
+    counts: dict[str, jax.Array] = {}
     maxes: dict[str, jax.Array] = {}
 
-    def token_metric(name: str, value: jax.Array) -> None:
-        sums[name] = jnp.sum(jnp.where(m, value, 0.0).astype(jnp.float32))
+    def add_stats(stats: tuple[dict, dict, dict]) -> None:
+        sums.update(stats[0])
+        counts.update(stats[1])
+        maxes.update(stats[2])
 
+    if cfg.splice_correction != "none":
+        if splice_kind is None:
+            raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} needs splice_kind")
+        spliced = m & (splice_kind > 0)
+    else:
+        spliced = jnp.zeros_like(m)
+    used = m  # the tokens that enter the loss and its denominator
+    weight = jnp.ones(m.shape, jnp.float32)
     if cfg.kind == "ppo":
         if old_logp is None:
             raise ValueError("compute_loss: kind='ppo' needs old_logp")
         old = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
-        log_r = jnp.clip(logp_m - old, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        if cfg.tis != "none":
+            if rollout_logp is None:
+                raise ValueError(f"compute_loss: tis={cfg.tis!r} needs rollout_logp")
+            # a spliced token was sampled from the behaviour policy, not the engine in this context:
+            # under a splice correction it is that correction's business, and the rollout ratio
+            # runs over the other policy tokens only (docs/estimators.md §3)
+            tokens = m & ~spliced if cfg.splice_correction != "none" else m
+            w, keep, stats = rollout_is(old, jnp.where(m, rollout_logp.astype(jnp.float32), 0.0), m, tokens,
+                                        cfg.tis, cfg.tis_mode, cfg.tis_cap)
+            weight, used = weight * w, used & keep
+            add_stats(stats)
+        if cfg.splice_correction in ("tis", "mask"):
+            if behaviour_logp is None:
+                raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} needs behaviour_logp")
+            w, keep, stats = splice_is(old, jnp.where(m, behaviour_logp.astype(jnp.float32), 0.0), spliced, m,
+                                       cfg.splice_correction, cfg.splice_cap)
+            weight, used = weight * w, used & keep
+            add_stats(stats)
+    elif cfg.kind == "nll":
+        if cfg.splice_correction in ("tis", "mask"):
+            raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} weights the ppo loss only")
+        if cfg.nll_sequences == "positive_advantage":
+            used = used & (adv > 0)
+        elif cfg.nll_sequences == "correct":
+            if correct is None:
+                raise ValueError("compute_loss: nll_sequences='correct' needs correct [B] (the batch's `correct`)")
+            used = used & (correct.astype(jnp.float32)[:, None] > 0)
+        elif cfg.nll_sequences != "all":
+            raise ValueError(f"compute_loss: unknown nll_sequences {cfg.nll_sequences!r}")
+    else:
+        raise ValueError(f"compute_loss: unknown kind {cfg.kind!r}")
+    if cfg.splice_correction == "exclude":
+        used = used & ~spliced
+    nused = jnp.sum(used.astype(jnp.float32))
+
+    def token_metric(name: str, value: jax.Array) -> None:
+        sums[name] = jnp.sum(jnp.where(used, value, 0.0).astype(jnp.float32))
+        counts[name] = nused
+
+    if cfg.kind == "ppo":
+        logp_u = jnp.where(used, logp, 0.0)
+        old_u = jnp.where(used, old, 0.0)
+        log_r = jnp.clip(logp_u - old_u, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         ratio = jnp.exp(log_r)
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -182,44 +212,21 @@ def compute_loss(
             l_tok = jnp.where(adv < 0, jnp.minimum(l_clip, l3), l_clip)
         else:
             l_tok = l_clip
-        token_metric("ppo_kl", jax.lax.stop_gradient(old - logp_m))
+        token_metric("ppo_kl", jax.lax.stop_gradient(old_u - logp_u))
         token_metric("ratio_mean", jax.lax.stop_gradient(ratio))
-        maxes["ratio_max"] = jnp.max(jnp.where(m, jax.lax.stop_gradient(ratio), 0.0))
-        if cfg.tis != "none":
-            if rollout_logp is None:
-                raise ValueError(f"compute_loss: tis={cfg.tis!r} needs rollout_logp")
-            w, truncated = tis_weights(old, rollout_logp.astype(jnp.float32), m, cfg.tis, cfg.tis_cap)
-            l_tok = l_tok * w
-            token_metric("tis_weight_mean", w)
-            token_metric("tis_truncated_frac", truncated.astype(jnp.float32))
-    elif cfg.kind == "nll":
-        l_tok = -logp_m
-        if cfg.nll_sequences == "positive_advantage":
-            m = m & (adv > 0)
+        maxes["ratio_max"] = jnp.max(jnp.where(used, jax.lax.stop_gradient(ratio), 0.0))
+        l_tok = l_tok * weight
     else:
-        raise ValueError(f"compute_loss: unknown kind {cfg.kind!r}")
+        l_tok = -jnp.where(used, logp, 0.0)
     token_metric("pg_loss", l_tok)
 
-    if cfg.kl_coef > 0 or ref_logp is not None:
-        if ref_logp is None:
-            raise ValueError("compute_loss: kl_coef > 0 needs ref_logp")
-        kl = kl_penalty(logp_m, jnp.where(m, ref_logp.astype(jnp.float32), 0.0), cfg.kl_estimator)
-        token_metric("kl", jax.lax.stop_gradient(kl))
-        if cfg.kl_coef > 0:
-            l_tok = l_tok + cfg.kl_coef * kl
     if entropy is not None:
-        ent = jnp.where(m, entropy.astype(jnp.float32), 0.0)
+        ent = jnp.where(used, entropy.astype(jnp.float32), 0.0)
         token_metric("entropy", jax.lax.stop_gradient(ent))
         if cfg.entropy_coef > 0:
             l_tok = l_tok - cfg.entropy_coef * ent
     elif cfg.entropy_coef > 0:
         raise ValueError("compute_loss: entropy_coef > 0 needs entropy")
 
-    loss_sum, loss_count = aggregate(l_tok, m, cfg.agg)
-    ntok_used = jnp.sum(m.astype(jnp.float32))
-    counts = {k: ntok for k in sums}
-    # metrics after the nll sequence filter are per used token
-    for k in ("pg_loss", "kl", "entropy"):
-        if k in counts:
-            counts[k] = ntok_used
+    loss_sum, loss_count = aggregate(l_tok, used, cfg.agg)
     return LossOutput(loss_sum, loss_count, sums, counts, maxes)

@@ -1,0 +1,177 @@
+"""One RL step in one place: scored episodes -> shaped rewards -> group advantages -> the
+learner batch -> old log-probs -> mini-batch updates -> step metrics.
+
+    metrics = rl_step(learner, scored, StepConfig(max_response_tokens=384))
+
+`rl_step` is the composition of the pieces below, each callable on its own from a notebook
+(e.g. to inspect the advantages or the batch of a dumped step before training on it). The step
+takes `cleaner_jax.trajectory.ScoredEpisode`s, so it needs nothing from the agent, the rewards
+or the rollout: whoever collected and scored the episodes (`cleaner_jax.agent.collect`, a test,
+a notebook) hands them over.
+
+Invalid episodes (infrastructure failures, docs/honest_rl.md rule 5) get a NaN reward, stay out
+of group statistics and out of the batch. Metrics: `learner/*` (the learner's metrics averaged
+over the step's mini-batches), `adv/*` (`AdvantageResult.metrics`), `reward/mean` (the shaped
+reward over valid episodes) and `splice/*` (`rl.logprob_gap.splice_metrics` on the step's
+batch: how far spliced tokens' behaviour log-probs are from pi_old in the purified context).
+
+Old log-probs (docs/estimators.md §1): "recompute" is verl's decoupled mode, the authors' choice
+(docs/authors.md §3): the learner recomputes pi_old on the purified sequences once per step and
+the rollout log-probs enter only the rollout-IS weight (`algo.tis`). "rollout" is bypass mode:
+pi_old is the rollout engine's, so a rollout-IS weight would be pi_old / pi_rollout = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from cleaner_jax import schema
+from cleaner_jax.rl.advantages import AdvantageResult, Estimator, Singleton, compute_advantages, overlong_penalty
+from cleaner_jax.rl.batch import Batch, from_trajectories
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.logprob_gap import splice_metrics
+from cleaner_jax.trajectory import ScoredEpisode
+
+OldLogprobs = Literal["recompute", "rollout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What one RL step needs beyond the learner's own config. The declared fields are run-config
+    keys (`algo.old_logprobs`, `algo.adv_std_floor`, ...); defaults are the authors'."""
+
+    max_response_tokens: int  # the response budget the overlong penalty is measured against
+    overlong_buffer: int = 0  # DAPO soft overlong buffer, in tokens (observations count); 0 = off
+    overlong_factor: float = 1.0  # penalty at max_response_tokens
+    estimator: Estimator = "grpo"
+    adv_eps: float = 1e-6
+    mini_batches: int = 1  # optimizer updates per RL step, each on 1/mini_batches of the rows
+    old_logprobs: OldLogprobs = schema.field(
+        "recompute", help="recompute: decoupled, the learner recomputes pi_old once per step (authors); "
+        "rollout: bypass, pi_old = the rollout log-probs (docs/estimators.md §1)")
+    std_floor: float = schema.field(
+        0.0, ge=0.0, help="GRPO: std = max(std, std_floor) before eps; 0 = authors (docs/authors.md §9.10)")
+    singleton: Singleton = schema.field(
+        "authors", help="a group with one valid member: authors (mean 0, std 1: A = r / (1 + eps)) or zero (A = 0)")
+    exclude_zero_adv_groups: bool = schema.field(
+        False, help="leave groups whose advantages are all 0 out of the loss denominator; authors: False (they count)")
+    pad_id: int = 0
+    width_bucket: int = 128  # batch width rounded up to a multiple: every new width is an XLA compile
+
+    def __post_init__(self) -> None:
+        schema.check(self)
+
+
+def shaped_rewards(scored: Sequence[ScoredEpisode], max_response_tokens: int, overlong_buffer: int,
+                   overlong_factor: float) -> np.ndarray:
+    """Score + DAPO overlong penalty (in tokens, observations included); NaN for invalid. [N]"""
+    score = np.array([s.score if s.valid else np.nan for s in scored], dtype=np.float64)
+    if overlong_buffer <= 0:
+        return score
+    lengths = np.array([len(s.episode.purified.response_ids) if s.episode else 0 for s in scored])
+    return score + overlong_penalty(lengths, max_response_tokens, overlong_buffer, overlong_factor)
+
+
+def group_advantages(scored: Sequence[ScoredEpisode], rewards: np.ndarray, estimator: Estimator,
+                     eps: float, std_floor: float = 0.0, singleton: Singleton = "authors") -> AdvantageResult:
+    """Group-relative advantages of `rewards` [N] (NaN = invalid, excluded from statistics)."""
+    valid = np.array([s.valid for s in scored])
+    groups = np.array([s.group for s in scored])
+    return compute_advantages(np.nan_to_num(rewards), groups, valid, estimator=estimator, epsilon=eps,
+                              std_floor=std_floor, singleton=singleton)
+
+
+def build_batch(scored: Sequence[ScoredEpisode], advantages: np.ndarray, *, pad_id: int,
+                rows_multiple_of: int = 1, width_bucket: int = 128) -> Batch:
+    """The learner batch of the valid episodes' purified trajectories, in `scored` order.
+
+    The row count is padded up to `rows_multiple_of` with copies of the first row whose loss
+    mask, advantage and `correct` flag are 0 (they train nothing), so micro- and mini-batches
+    divide it; the width is rounded up to a multiple of `width_bucket`. `correct` is each
+    episode's `acc`. `old_logprobs` stay None (see `with_old_logprobs`).
+    """
+    keep = valid_rows(scored)
+    if not len(keep):
+        raise ValueError("build_batch: no valid episode in this step (every rollout hit an infrastructure failure)")
+    trajectories = [scored[i].episode.purified for i in keep]
+    longest = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    batch = from_trajectories(trajectories, np.asarray(advantages, dtype=np.float32)[keep], pad_id=pad_id,
+                              width=-(-longest // width_bucket) * width_bucket)
+    batch = dataclasses.replace(batch, correct=np.array([float(scored[i].acc) for i in keep], np.float32))
+    extra = (-len(keep)) % rows_multiple_of
+    if not extra:
+        return batch
+    first = batch.rows(np.zeros(extra, dtype=np.int64))
+    filler = dataclasses.replace(first, loss_mask=np.zeros_like(first.loss_mask),
+                                 advantages=np.zeros_like(first.advantages), correct=np.zeros_like(first.correct))
+    return Batch(**{f.name: None if getattr(batch, f.name) is None
+                    else np.concatenate([getattr(batch, f.name), getattr(filler, f.name)])
+                    for f in dataclasses.fields(Batch)})
+
+
+def valid_rows(scored: Sequence[ScoredEpisode]) -> np.ndarray:
+    """Indices into `scored` of the episodes `build_batch` turns into rows, in row order. [N_valid]"""
+    return np.array([i for i, s in enumerate(scored) if s.valid], dtype=np.int64)
+
+
+def without_rows(batch: Batch, drop: np.ndarray) -> Batch:
+    """`batch` with the loss mask of the rows where `drop` [B] is True set to 0: they leave the
+    loss, its denominator and every loss metric (the rows stay, so the shapes do not change)."""
+    drop = np.asarray(drop, dtype=bool)
+    if drop.shape != (batch.num_rows,):
+        raise ValueError(f"without_rows: drop has shape {drop.shape}, the batch has {batch.num_rows} rows")
+    return dataclasses.replace(batch, loss_mask=np.where(drop[:, None], 0.0, batch.loss_mask).astype(np.float32))
+
+
+def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs) -> Batch:
+    """`batch` with its old log-probs: recomputed by the learner on the whole RL batch before
+    the first update (decoupled mode, the authors), or the rollout's (bypass mode; with SAAR on
+    it needs saar.logprob_mode=rollout, where spliced spans were re-scored in the purified
+    context at splice time)."""
+    if mode == "recompute":
+        return learner.add_old_logprobs(batch)
+    if mode == "rollout":
+        if batch.rollout_logprobs is None:
+            raise ValueError("with_old_logprobs(mode='rollout'): the batch has no rollout_logprobs")
+        return dataclasses.replace(batch, old_logprobs=batch.rollout_logprobs)
+    raise ValueError(f"with_old_logprobs: unknown mode {mode!r}; use 'recompute' or 'rollout' (algo.old_logprobs)")
+
+
+def minibatch_update(learner: Learner, batch: Batch, mini_batches: int) -> dict[str, float]:
+    """`mini_batches` optimizer updates on consecutive row blocks of `batch`; returns the
+    learner's metrics averaged over them, as `learner/<name>`."""
+    if mini_batches < 1 or batch.num_rows % mini_batches:
+        raise ValueError(f"minibatch_update: {batch.num_rows} rows do not split into mini_batches={mini_batches} "
+                         "equal parts; build the batch with rows_multiple_of = micro_batch_size * mini_batches")
+    per_mini = batch.num_rows // mini_batches
+    sums: dict[str, float] = {}
+    for k in range(mini_batches):
+        m = learner.train_step(batch.rows(slice(k * per_mini, (k + 1) * per_mini)))
+        for key, v in m.items():
+            sums[key] = sums.get(key, 0.0) + v / mini_batches
+    return {f"learner/{k}": v for k, v in sums.items()}
+
+
+def rl_step(learner: Learner, scored: Sequence[ScoredEpisode], cfg: StepConfig) -> dict[str, float]:
+    """Train `learner` on one step's scored episodes; returns the step's metrics."""
+    rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
+    adv = group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton)
+    batch = build_batch(scored, adv.advantages, pad_id=cfg.pad_id,
+                        rows_multiple_of=learner.cfg.micro_batch_size * cfg.mini_batches,
+                        width_bucket=cfg.width_bucket)
+    batch = with_old_logprobs(learner, batch, cfg.old_logprobs)
+    diagnostics = splice_metrics(batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask, batch.splice_kind)
+    if cfg.exclude_zero_adv_groups:  # after the diagnostics, which describe every valid episode
+        rows = valid_rows(scored)
+        zero = np.zeros(batch.num_rows, dtype=bool)  # filler rows already train nothing
+        zero[:len(rows)] = adv.zero_group[rows]
+        batch = without_rows(batch, zero)
+    out = minibatch_update(learner, batch, cfg.mini_batches)
+    out.update(diagnostics)
+    out.update(adv.metrics("adv/"))
+    valid = np.isfinite(rewards)
+    out["reward/mean"] = float(np.mean(rewards[valid])) if valid.any() else float("nan")
+    return out

@@ -1,0 +1,259 @@
+"""The RL step (rl/step.py) on hand-built scored episodes, against hand / NumPy computations:
+shaped rewards, group advantages, which rows enter the batch, old log-probs, mini-batch
+averaging; and `rl_step` on a tiny model against the same pieces run by hand."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from cleaner_jax.models import qwen
+from cleaner_jax.rl.batch import Batch
+from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step, shaped_rewards,
+                                 with_old_logprobs)
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
+from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
+
+EPS = 1e-6
+
+
+def episode(prompt, turn, obs=(), turn2=()):
+    """prompt, a policy turn [, an observation and a second turn]; turn log-probs -0.1 * (k + 1)."""
+    lp = lambda ids: tuple(-0.1 * (k + 1) for k in range(len(ids)))  # noqa: E731
+    segs = [Segment("turn", tuple(turn), turn=1, logprobs=lp(turn))]
+    if obs:
+        segs += [Segment("obs", tuple(obs), turn=1, role="result"), Segment("turn", tuple(turn2), turn=2, logprobs=lp(turn2))]
+    raw = RawTrajectory(tuple(prompt), tuple(segs))
+    return Episode(raw, raw.flatten(), (), ToolStats(), "answer", False, 2)
+
+
+def scored(uid, group, ep, score, error=None):
+    return ScoredEpisode(uid, group, ep, score, acc=score > 0, error=error)
+
+
+def hand_episodes():
+    """group 0: 3 valid (+1, -1, +1); group 1: one valid (-1) and one invalid (sandbox crash)."""
+    return [
+        scored("a", 0, episode([5, 6, 7], [10, 11, 12, 13, 14]), 1.0),  # response 5 tokens
+        scored("a", 0, episode([5, 6, 7], [20, 21], obs=[30, 31, 32], turn2=[22, 23, 24, 25, 26]), -1.0),  # 10
+        scored("a", 0, episode([5, 6, 7], [40] * 14), 1.0),  # 14
+        scored("b", 1, episode([8, 9], [50, 51, 52]), -1.0),  # 3
+        scored("b", 1, episode([8, 9], [60, 61]), float("nan"), error="1 sandbox infrastructure failure(s)"),
+    ]
+
+
+def test_shaped_rewards_by_hand():
+    s = hand_episodes()
+    # overlong: 0 up to 12 - 4 = 8 tokens, then -(L - 8) / 4, not clamped below
+    got = shaped_rewards(s, max_response_tokens=12, overlong_buffer=4, overlong_factor=1.0)
+    np.testing.assert_allclose(got[:4], [1.0, -1.0 - 2 / 4, 1.0 - 6 / 4, -1.0], rtol=1e-6)
+    assert np.isnan(got[4])
+    off = shaped_rewards(s, max_response_tokens=12, overlong_buffer=0, overlong_factor=1.0)
+    np.testing.assert_array_equal(off[:4], [1.0, -1.0, 1.0, -1.0])
+    assert np.isnan(off[4])
+
+
+def test_group_advantages_by_hand():
+    s = hand_episodes()
+    rewards = shaped_rewards(s, 12, 4, 1.0)
+    adv = group_advantages(s, rewards, "grpo", EPS)
+    r0 = np.array([1.0, -1.5, -0.5])
+    want0 = (r0 - r0.mean()) / (r0.std(ddof=1) + EPS)
+    np.testing.assert_allclose(adv.advantages[:3], want0, rtol=1e-5)
+    assert adv.advantages[3] == pytest.approx(-1.0 / (1 + EPS))  # one valid member: raw reward / (1 + eps)
+    assert adv.advantages[4] == 0.0  # invalid: no advantage, not in any statistic
+    assert adv.metrics("adv/") == {"adv/zero_adv_group_frac": 0.0, "adv/num_groups": 2.0, "adv/num_invalid": 1.0}
+
+
+def test_build_batch_rows_width_and_fillers():
+    s = hand_episodes()
+    adv = np.array([0.5, -0.25, 1.0, 2.0, 9.0], np.float32)
+    b = build_batch(s, adv, pad_id=0, rows_multiple_of=3, width_bucket=8)
+    # the invalid episode is out; 4 valid rows padded to 6; longest = 3 + 14 = 17 -> width 24
+    assert b.input_ids.shape == (6, 24) and b.old_logprobs is None
+    np.testing.assert_array_equal(b.advantages, [0.5, -0.25, 1.0, 2.0, 0.0, 0.0])
+    ep = s[1].episode.purified  # prompt 3, turn 2, obs 3, turn 5
+    np.testing.assert_array_equal(b.input_ids[1, :13], [5, 6, 7, 20, 21, 30, 31, 32, 22, 23, 24, 25, 26])
+    np.testing.assert_array_equal(b.input_ids[1, 13:], 0)
+    np.testing.assert_array_equal(b.attention_mask[1], [1] * 13 + [0] * 11)
+    np.testing.assert_array_equal(b.loss_mask[1], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1] + [0] * 11)
+    np.testing.assert_allclose(b.rollout_logprobs[1, :13], [0, 0, 0, -0.1, -0.2, 0, 0, 0, -0.1, -0.2, -0.3, -0.4, -0.5],
+                               rtol=1e-6)
+    np.testing.assert_array_equal(b.lengths, [8, 13, 17, 5, 8, 8])
+    assert len(ep.response_ids) == 10
+    # the two fillers: row 0's tokens, nothing to train on
+    for row in (4, 5):
+        np.testing.assert_array_equal(b.input_ids[row], b.input_ids[0])
+        assert b.loss_mask[row].sum() == 0 and b.advantages[row] == 0
+    with pytest.raises(ValueError, match="no valid episode"):
+        build_batch([s[4]], adv[:1], pad_id=0)
+
+
+def test_old_logprobs_in_rollout_mode_are_the_rollout_ones():
+    s = hand_episodes()
+    b = build_batch(s, np.zeros(5), pad_id=0)
+    out = with_old_logprobs(None, b, "rollout")  # no learner needed: nothing is recomputed
+    assert out.old_logprobs is b.rollout_logprobs
+    with pytest.raises(ValueError, match="unknown mode 'bypass'"):
+        with_old_logprobs(None, b, "bypass")
+
+
+class RecordingLearner:
+    """Stands in for the learner: records the rows of each update, returns metrics of them."""
+
+    def __init__(self):
+        self.seen = []
+
+    def train_step(self, batch):
+        self.seen.append(np.asarray(batch.advantages).copy())
+        return {"loss": float(np.sum(batch.advantages)), "lr": 0.1 * len(self.seen)}
+
+
+def test_minibatch_update_averages_over_consecutive_blocks():
+    adv = np.arange(8, dtype=np.float32)
+    b = Batch(np.ones((8, 4), np.int32), np.ones((8, 4), np.float32), np.zeros((8, 4), np.float32), adv)
+    learner = RecordingLearner()
+    m = minibatch_update(learner, b, mini_batches=4)
+    assert [list(a) for a in learner.seen] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m == {"learner/loss": pytest.approx((1 + 5 + 9 + 13) / 4), "learner/lr": pytest.approx(0.25)}
+    with pytest.raises(ValueError, match="do not split into mini_batches=3"):
+        minibatch_update(learner, b, mini_batches=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), family="qwen3", seed=0)
+
+
+def learner_of(ckpt):
+    return Learner(qwen.from_pretrained(ckpt), LearnerConfig(
+        optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0), micro_batch_size=2,
+        logprob_micro_batch_size=2, logprob_chunk_size=32))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "rollout"])
+def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
+    """Episodes: group 0 = (+1, -1), group 1 = (+1, invalid). The batch is written out in NumPy
+    here; two mini-batches of two rows, the second one with a filler row."""
+    s = [
+        scored("a", 0, episode([5, 6, 7], [10, 11, 12, 13, 14]), 1.0),
+        scored("a", 0, episode([5, 6, 7], [20, 21], obs=[30, 31, 32], turn2=[22, 23, 24]), -1.0),
+        scored("b", 1, episode([8, 9], [50, 51, 52, 53]), 1.0),
+        scored("b", 1, None, float("nan"), error="rollout: server unreachable"),
+    ]
+    cfg = StepConfig(max_response_tokens=64, mini_batches=2, old_logprobs=mode)
+    got = rl_step(stepped := learner_of(ckpt), s, cfg)
+
+    a = 1 / (np.sqrt(2) + EPS)  # group 0: rewards (1, -1), unbiased std sqrt(2)
+    rows = [([5, 6, 7, 10, 11, 12, 13, 14], [0, 0, 0, 1, 1, 1, 1, 1], a),
+            ([5, 6, 7, 20, 21, 30, 31, 32, 22, 23, 24], [0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1], -a),
+            ([8, 9, 50, 51, 52, 53], [0, 0, 1, 1, 1, 1], 1 / (1 + EPS)),  # one valid member
+            ([5, 6, 7, 10, 11, 12, 13, 14], [0] * 8, 0.0)]  # filler: a copy of row 0, all masked
+    ids, attn, loss, rollout = (np.zeros((4, 128), dt) for dt in (np.int32, np.float32, np.float32, np.float32))
+    for i, (tok, mask, _) in enumerate(rows):
+        ids[i, :len(tok)], attn[i, :len(tok)], loss[i, :len(mask)] = tok, 1, mask
+        k = np.cumsum(mask) * np.asarray(mask)  # position within its turn, for the first turn ...
+        rollout[i, :len(mask)] = -0.1 * k
+    rollout[1, 8:11] = [-0.1, -0.2, -0.3]  # ... the second turn restarts its count
+    rollout[3] = rollout[0]
+    hand = learner_of(ckpt)
+    # nothing is spliced: behaviour = rollout log-probs, splice kind 0; correct = acc (score > 0), filler 0
+    batch = Batch(ids, attn, loss, np.array([r[2] for r in rows], np.float32), rollout_logprobs=rollout,
+                  behaviour_logprobs=rollout, splice_kind=np.zeros((4, 128), np.int32),
+                  correct=np.array([1, 0, 1, 0], np.float32))
+    old = hand.logprobs(ids, attn) if mode == "recompute" else rollout
+    batch = dataclasses.replace(batch, old_logprobs=old)
+    m1, m2 = hand.train_step(batch.rows(slice(0, 2))), hand.train_step(batch.rows(slice(2, 4)))
+
+    want = {f"learner/{k}": (m1[k] + m2[k]) / 2 for k in m1}
+    want.update({"adv/zero_adv_group_frac": 0.0, "adv/num_groups": 2.0, "adv/num_invalid": 1.0,
+                 "reward/mean": 1 / 3})
+    # no spliced token: shares 0, log-ratio statistics undefined (NaN); the learner's spliced gap 0
+    want.update({"splice/token_frac": 0.0, "splice/shallow/token_frac": 0.0, "splice/deep/token_frac": 0.0})
+    want.update({f"splice/{kind}log_ratio_{s}": float("nan") for kind in ("", "shallow/", "deep/")
+                 for s in ("mean", "p5", "p50", "p95")})
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9, nan_ok=True), k
+    assert {k for k in got if k.startswith("learner/gap/spliced/")} == {
+        "learner/gap/spliced/abs_diff", "learner/gap/spliced/k3_kl", "learner/gap/spliced/frac_outside_band",
+        "learner/gap/spliced/abs_diff_max"}
+    assert all(got[k] == 0.0 for k in got if k.startswith("learner/gap/spliced/"))
+    assert got["learner/num_policy_tokens"] == pytest.approx((5 + 5 + 4) / 2)  # averaged over the two updates
+    if mode == "rollout":
+        assert got["learner/ratio_mean"] != pytest.approx(1.0, abs=1e-3)  # rollout log-probs are not the learner's
+    for x, y in zip(jax.tree.leaves(stepped.params), jax.tree.leaves(hand.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class FakeLearner:
+    """Stands in for the learner in `rl_step`: old log-probs 0, records each update's batch."""
+
+    class cfg:  # noqa: N801
+        micro_batch_size = 1
+
+    def __init__(self):
+        self.batches = []
+
+    def add_old_logprobs(self, batch):
+        return dataclasses.replace(batch, old_logprobs=np.zeros_like(batch.rollout_logprobs))
+
+    def train_step(self, batch):
+        self.batches.append(batch)
+        return {"tokens": float(np.sum(batch.loss_mask))}
+
+
+def options_episodes():
+    """group 0: (+1, -1); group 1: (+1, +1) all equal; group 2: one valid member (+1) and an
+    invalid one; group 3: (1.0, 1.001), nearly equal."""
+    e = lambda n: episode([5, 6], list(range(10, 10 + n)))  # noqa: E731
+    return [scored("a", 0, e(2), 1.0), scored("a", 0, e(3), -1.0), scored("b", 1, e(4), 1.0), scored("b", 1, e(5), 1.0),
+            scored("c", 2, e(6), 1.0), scored("c", 2, None, float("nan"), error="server unreachable"),
+            scored("d", 3, e(7), 1.0), scored("d", 3, e(8), 1.001)]
+
+
+def test_advantage_options_and_zero_group_exclusion_by_hand():
+    s = options_episodes()
+    faithful = FakeLearner()
+    m = rl_step(faithful, s, StepConfig(max_response_tokens=64))
+    b = faithful.batches[0]
+    a0 = 1 / (np.sqrt(2) + EPS)
+    d = 0.0005 / (np.sqrt(0.0005 ** 2 * 2) + EPS)  # group 3: centred +-0.0005, unbiased std 0.0005 * sqrt(2)
+    np.testing.assert_allclose(b.advantages, [a0, -a0, 0, 0, 1 / (1 + EPS), -d, d], rtol=1e-4)
+    assert m["learner/tokens"] == 2 + 3 + 4 + 5 + 6 + 7 + 8  # every valid row counts (authors)
+
+    opts = FakeLearner()
+    cfg = StepConfig(max_response_tokens=64, std_floor=0.1, singleton="zero", exclude_zero_adv_groups=True)
+    m = rl_step(opts, s, cfg)
+    b = opts.batches[0]
+    floored = 0.0005 / (0.1 + EPS)
+    np.testing.assert_allclose(b.advantages, [a0, -a0, 0, 0, 0, -floored, floored], rtol=1e-4)
+    # groups 1 (all equal) and 2 (a singleton, now 0) leave the loss and its denominator
+    np.testing.assert_array_equal(b.loss_mask.sum(axis=1), [2, 3, 0, 0, 0, 7, 8])
+    assert m["learner/tokens"] == 2 + 3 + 7 + 8
+    assert m["adv/zero_adv_group_frac"] == pytest.approx(2 / 4)
+
+
+def test_step_keys_reach_the_step_config():
+    import importlib.util
+    from pathlib import Path
+
+    from cleaner_jax import wiring
+    spec = importlib.util.spec_from_file_location("toy", Path(__file__).resolve().parents[1] / "configs" / "toy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    faithful = wiring.step_config(c, pad_id=3)
+    assert (faithful.old_logprobs, faithful.std_floor, faithful.singleton, faithful.exclude_zero_adv_groups) == (
+        "recompute", 0.0, "authors", False)
+    assert (faithful.max_response_tokens, faithful.overlong_buffer, faithful.pad_id, faithful.mini_batches) == (
+        384, 64, 3, 1)
+    c.algo.adv_std_floor, c.algo.adv_singleton, c.algo.exclude_zero_adv_groups = 0.01, "zero", True
+    got = wiring.step_config(c, pad_id=0)
+    assert (got.std_floor, got.singleton, got.exclude_zero_adv_groups) == (0.01, "zero", True)
+    c.algo.advantage = "drgrpo"
+    with pytest.raises(Exception, match=r"config\.algo\.adv_std_floor: a floor on the std applies to grpo only"):
+        wiring.step_config(c, pad_id=0)
+    with pytest.raises(ValueError, match=r"StepConfig\.singleton: 'none' is not allowed"):
+        StepConfig(max_response_tokens=8, singleton="none")
