@@ -15,7 +15,9 @@ The policy is scripted (no model sampling); tool results come from a scripted ex
 authors' observation texts, since the sandbox does not change token counts. Part B runs the
 tiny random Qwen3 model on CPU.
 
-    python bench/saar.py [--episodes 300] [--rescore-episodes 24]
+    python bench/saar.py [--episodes 300] [--rescore-episodes 16]
+
+Results: bench/RESULTS.md.
 """
 from __future__ import annotations
 

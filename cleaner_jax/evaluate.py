@@ -1,35 +1,43 @@
-"""Evaluate a checkpoint on benchmarks with the training-time agent loop (SAAR per config).
+"""Evaluate a model on benchmarks with the training-time agent loop and verifiers.
 
     python -m cleaner_jax.evaluate --config configs/toy.py --workdir runs/toy \
-        [--model_dir DIR] [--config.data.eval=aime24,aime25] [--config.rollout.eval_n=16]
+        [--model_dir DIR | --checkpoint runs/toy/checkpoints/8] [--out DIR] \
+        [--config.data.eval=aime24,aime25] [--config.eval.n=16] [--config.eval.saar=both]
 
-The model is `--model_dir` (an HF directory), else the newest weights the trainer exported
-under `<workdir>/sync/`, else `config.model.path`. Writes `<out>/results.json` and
-`<out>/results.md` (pass@k, mean score, tool and SAAR statistics); `--out` defaults to
-`<workdir>/eval/final`.
+What is evaluated: `--model_dir` (an HF directory); or `--checkpoint DIR/STEP`, an Orbax
+training checkpoint whose parameters are restored into the run's model and exported to a
+temporary HF directory for the rollout server; else the newest weights the trainer exported
+under `<workdir>/sync/`; else `config.model.path`.
+Sampling (n, temperature, top-p, top-k) and SAAR come from the `eval` section, per benchmark
+with `eval.overrides`. Writes under `--out` (default `<workdir>/eval/final`): one JSON line per
+problem in `samples/<benchmark>.saar_{on,off}.jsonl`, `manifest.json` (the settings),
+`results.json` and `results.md`, and for LiveCodeBench the generations keyed by `question_id`
+for LiveCodeBench's own evaluator (`livecodebench.saar_*.lcb_custom_outputs.json`). Running the
+same command again after a kill resumes: problems already written are not run again
+(`eval.resume=False` starts afresh).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
+import sys
+import tempfile
 from pathlib import Path
 
+import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
-from transformers import AutoTokenizer
 
-from cleaner_jax.agent.tools import SandboxExecutor
-from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
-from cleaner_jax.config import ConfigError, validate
-from cleaner_jax.eval.runner import evaluate, write_report
-from cleaner_jax.experience import Collector
-from cleaner_jax.rewards.scorer import Scorer
-from cleaner_jax.runtime import rollout_backend
-from cleaner_jax.tools.sandbox import Sandbox
-from cleaner_jax.wiring import agent_config, eval_benchmarks, eval_sampling
+from cleaner_jax.config import ConfigError, check_override_keys, validate
+from cleaner_jax.eval.records import EpisodeCodec
+from cleaner_jax.eval.runner import run_evaluation
+from cleaner_jax.models import qwen
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.session import Session, make_mesh, prepare_model_dir
+from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
+from cleaner_jax.wiring import eval_benchmarks, eval_plan, eval_specs, learner_config
 
+log = logging.getLogger("cleaner_jax.evaluate")
 
 
 def pick_model_dir(workdir: Path, model_dir: str | None, config_path: str | None) -> Path:
@@ -43,17 +51,46 @@ def pick_model_dir(workdir: Path, model_dir: str | None, config_path: str | None
     raise app.UsageError(f"nothing to evaluate: no --model_dir, no export under {workdir}/sync, no config.model.path")
 
 
+def parse_checkpoint(path: str) -> tuple[Path, int | None]:
+    """`DIR/STEP` -> (DIR, STEP); a directory of steps -> (it, None: the newest)."""
+    p = Path(path).resolve()
+    if p.name.isdigit():
+        return p.parent, int(p.name)
+    if not p.is_dir():
+        raise app.UsageError(f"--checkpoint {path}: not a directory (give <workdir>/checkpoints/<step>)")
+    return p, None
+
+
+def export_checkpoint(c: ml_collections.ConfigDict, workdir: Path, checkpoint: str, out_dir: Path) -> tuple[Path, int]:
+    """The parameters of an Orbax training checkpoint as an HF directory; returns it and the step.
+
+    The run's model directory supplies the architecture and tokenizer; a learner of the run's
+    config restores into it (the path a resumed training takes), and `qwen.save_pretrained`
+    writes what the rollout server loads. The learner is closed before serving starts."""
+    root, step = parse_checkpoint(checkpoint)
+    template = prepare_model_dir(c, workdir)
+    mesh = make_mesh(c)
+    model = qwen.from_pretrained(template, mesh=mesh, param_dtype=c.model.param_dtype,
+                                 compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl)
+    learner = Learner(model, learner_config(c), mesh, checkpoint_dir=root)
+    try:
+        restored, _ = learner.restore(step)
+        out = qwen.save_pretrained(learner.model(), out_dir, tokenizer_from=template)
+    finally:
+        learner.close()
+    log.info("restored %s step %d and exported it to %s", root, restored, out)
+    return out, restored
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.basicConfig(level=logging.INFO)
     f = flags.FLAGS
     c = f.config
+    if f.model_dir and f.checkpoint:
+        raise app.UsageError("give --model_dir or --checkpoint, not both")
     workdir = Path(f.workdir).resolve()
-    model_dir = pick_model_dir(workdir, f.model_dir, c.model.path)
-    if c.model.tiny_init:  # a toy run's model is whatever the trainer exported
-        c.model.tiny_init = False
-        c.model.path = str(model_dir)
     try:
         validate(c)
     except ConfigError as err:
@@ -61,32 +98,37 @@ def main(argv: list[str]) -> None:
     benchmarks = eval_benchmarks(c)
     if not benchmarks:
         raise app.UsageError("config.data.eval names no benchmark")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
-    chat = ChatFormat(tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
-    loop = asyncio.new_event_loop()
-    with contextlib.ExitStack() as stack:
-        stack.callback(loop.close)
-        sandbox = stack.enter_context(Sandbox(workers=c.sandbox.workers, timeout_s=c.sandbox.timeout_s,
-                                              memory_mb=c.sandbox.memory_mb))
-        scorer = stack.enter_context(Scorer(sandbox, c.reward.math_mode))
-        executor = SandboxExecutor(sandbox, observation_mode=c.agent.observation_mode,
-                                   max_chars=c.agent.observation_max_chars)
-        vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]  # the model's, not the tokenizer's
-        client = stack.enter_context(rollout_backend(c, model_dir, vocab_size))
-        stack.callback(lambda: loop.run_until_complete(client.close()))
-        collector = Collector(client.session, executor, chat, agent_config(c), scorer)
-        results = loop.run_until_complete(evaluate(collector, benchmarks, c.rollout.eval_n, eval_sampling(c), seed=c.train.seed))
     out = Path(f.out).resolve() if f.out else workdir / "eval" / "final"
-    js, md = write_report(results, out, f"evaluation of {model_dir}")
+    with contextlib.ExitStack() as stack:
+        if f.checkpoint:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cleaner_eval_checkpoint_")))
+            model_dir, step = export_checkpoint(c, workdir, f.checkpoint, tmp / "model")
+            label = f"checkpoint {parse_checkpoint(f.checkpoint)[0]} step {step}"
+        else:
+            model_dir = pick_model_dir(workdir, f.model_dir, c.model.path)
+            label = str(model_dir)
+        if c.model.tiny_init:  # a toy run's model is whatever was exported, not a new random one
+            c.model.tiny_init = False
+            c.model.path = str(model_dir)
+        session = stack.enter_context(Session(c, model_dir))
+        collector = session.start_rollout(model_dir)
+        results = session.run(run_evaluation(
+            collector, eval_specs(c, benchmarks), out, eval_plan(c), EpisodeCodec(episode_to_dict, episode_from_dict),
+            resume=c.eval.resume, model=label, title=f"evaluation of {label}"))
+    md = out / "results.md"
     print(md.read_text())
-    print(f"written: {js} and {md}")
+    print(f"written: {out / 'results.json'}, {md} and {len(results)} sample file(s) under {out / 'samples'}")
 
 
 if __name__ == "__main__":  # flags are defined here so that importing this module defines none
     config_flags.DEFINE_config_file("config", None, "ml-collections config file", lock_config=True)
     flags.DEFINE_string("workdir", None, "the training run's directory")
     flags.DEFINE_string("model_dir", None, "HF directory to evaluate (default: newest export in workdir)")
+    flags.DEFINE_string("checkpoint", None, "Orbax training checkpoint to evaluate: <workdir>/checkpoints/<step>")
     flags.DEFINE_string("out", None, "where to write results (default: <workdir>/eval/final)")
     flags.mark_flags_as_required(["config", "workdir"])
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
     app.run(main)

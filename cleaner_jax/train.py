@@ -3,57 +3,120 @@
     python -m cleaner_jax.train --config configs/toy.py --workdir runs/toy [--config.train.steps=5]
 
 One step: sample prompts → agent loop with SAAR (rollouts from the rollout server) → rewards →
-group advantages → old log-probs → policy updates on the device mesh → weight sync (export,
-load on every server, flush, probe) → metrics, trajectory dump, checkpoint, periodic eval.
+group advantages → old log-probs → policy updates on the device mesh (those four are
+`cleaner_jax.rl.step.rl_step`) → weight sync (export, load on every server, flush, probe) →
+metrics, trajectory dump, checkpoint, periodic eval. The components it shares with `evaluate`
+come from `cleaner_jax.session.Session`.
 Everything a run writes lives under --workdir: `tb/` (TensorBoard + metrics.jsonl),
 `checkpoints/` (Orbax: params, optimizer, step, data position), `trajectories/`, `eval/`,
 `config.json`. Running the same command again resumes from the latest checkpoint.
+
+Seeds: `train.seed` is the run's one seed. It makes the tiny checkpoint and the warm start
+(`session.prepare_model_dir`, `toy.warm_start`), orders the training problems unless
+`data.seed` is set (so a sweep can hold the data fixed and vary only the rollouts), and with the
+step number gives every rollout's and every evaluation's seed (`rollout_seed`; `eval_seed` of
+`eval.seed`, which defaults to train.seed; the collector derives each episode's sampling seeds
+and SAAR draw from them). The weight-sync
+probe and the toy benchmark's problems are fixed on purpose: they are measuring instruments,
+the same for every seed.
+
+Non-finite updates are skipped by the learner (`cleaner_jax.rl.learner`); the step logs which
+episodes the skipped mini-batches held, and after `train.max_consecutive_skips` skipped updates
+in a row the run writes a checkpoint and stops with `NonFiniteTrainingError`.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
-from cleaner_jax.agent.tools import SandboxExecutor
-from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
-from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.agent.collect import collect_informative, rollout_metrics
+from cleaner_jax.config import ConfigError, check_override_keys, validate
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
-from cleaner_jax.toy import task as toy_task
-from cleaner_jax.eval.runner import evaluate, write_report
-from cleaner_jax.experience import (Collector, Scored, collect_informative, group_advantages, learner_batch,
-                                    shaped_rewards)
+from cleaner_jax.eval.records import EpisodeCodec
+from cleaner_jax.eval.report import metric_dict
+from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import qwen
-from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
-from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rl.step import rl_step, valid_rows
 from cleaner_jax.rollout.weight_sync import export_and_sync
-from cleaner_jax.runtime import make_mesh, prepare_model_dir, rollout_backend
-from cleaner_jax.saar.metrics import step_metrics
-from cleaner_jax.tools.sandbox import Sandbox
-from cleaner_jax.viz.episode_io import write_episodes
+from cleaner_jax.session import Session, make_mesh, prepare_model_dir
+from cleaner_jax.toy import task as toy_task
 from cleaner_jax.toy.warm_start import warm_start
-from cleaner_jax.wiring import (agent_config, eval_benchmarks, eval_sampling, learner_config, train_sampling,
+from cleaner_jax.trajectory import ScoredEpisode
+from cleaner_jax.viz.dumps import step_advantages, token_pieces, write_step
+from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
+from cleaner_jax.viz.run_plots import plot_run
+from cleaner_jax.wiring import (eval_benchmarks, eval_plan, eval_specs, learner_config, step_config, train_sampling,
                                 training_problems)
 
 log = logging.getLogger("cleaner_jax.train")
 
+# Seeds of one run: train.seed * SEED_STRIDE + an offset per use + the step. At train.seed=0 they
+# are the seeds runs used before train.seed reached them (rollouts: step; evaluation: 10_000 +
+# step), so existing seed-0 results stay reproducible. Distinct for steps < EVAL_OFFSET.
+SEED_STRIDE = 1_000_000_000
+EVAL_OFFSET = 10_000
 
 
-# ----------------------------------------------------------------------------- the run
+def rollout_seed(run_seed: int, step: int) -> int:
+    """The collector's seed for step `step`'s training rollouts."""
+    return run_seed * SEED_STRIDE + step
+
+
+def eval_seed(run_seed: int, step: int) -> int:
+    """The seed of the evaluation after `step` steps; `run_seed` is the evaluation's seed
+    (eval.seed, which defaults to train.seed: `wiring.eval_plan`)."""
+    return run_seed * SEED_STRIDE + EVAL_OFFSET + step
+
+
+def data_seed(c: ml_collections.ConfigDict) -> int:
+    """The problem order's seed: data.seed when set, else train.seed."""
+    return c.train.seed if c.data.seed is None else c.data.seed
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many optimizer updates in a row had a non-finite loss or gradient."""
+
+
+def update_episode_ids(scored: list[ScoredEpisode], updates: int, micro_batch_size: int) -> list[list[str]]:
+    """Which episodes each of `rl_step`'s `updates` mini-batch updates trained on, as
+    ``"<problem uid>/<episode index in the step>"``: the batch holds the `valid_rows` episodes in
+    order, padded with filler rows to a multiple of ``micro_batch_size * updates``, and update k
+    takes the k-th block of rows (`cleaner_jax.rl.step.build_batch`, `minibatch_update`)."""
+    ids = [f"{scored[i].uid}/{i}" for i in valid_rows(scored)]
+    multiple = micro_batch_size * updates
+    per_update = -(-len(ids) // multiple) * multiple // updates
+    return [ids[k * per_update:(k + 1) * per_update] for k in range(updates)]
+
+
+def stop_if_stuck(learner: Learner, limit: int, step: int, extra_state: dict[str, int],
+                  skipped_ids: list[list[str]]) -> None:
+    """After `limit` skipped updates in a row: checkpoint `step` (waiting until it is on disk),
+    then raise NonFiniteTrainingError naming the episodes of the last skipped updates."""
+    if learner.consecutive_skips < limit:
+        return
+    learner.save(step, extra_state)
+    learner.wait_until_saved()
+    last = "; ".join(", ".join(ids) for ids in skipped_ids[-3:])
+    raise NonFiniteTrainingError(
+        f"{learner.consecutive_skips} optimizer updates in a row were skipped because their loss or gradient "
+        f"was not finite (train.max_consecutive_skips={limit}, loss scale now {learner.loss_scale:g}); "
+        f"checkpoint {step} is written. Episodes of the last skipped updates: {last or 'unknown'} (with "
+        f"train.dump_trajectories they are in trajectories/step_{step:06d}.jsonl.gz). Lower optim.lr, tighten "
+        "optim.grad_clip or train with model.compute_dtype=bfloat16, then resume.")
 
 
 class Trainer:
@@ -62,27 +125,17 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: Path) -> None:
         self.c = config
         self.workdir = workdir
-        self.loop = asyncio.new_event_loop()  # one loop: the client's HTTP session is bound to it
 
     def run(self) -> dict[str, float]:
         c, wd = self.c, self.workdir
         with contextlib.ExitStack() as stack:
-            stack.callback(self.loop.close)
-            sandbox = stack.enter_context(Sandbox(workers=c.sandbox.workers, timeout_s=c.sandbox.timeout_s,
-                                                  memory_mb=c.sandbox.memory_mb))
-            scorer = stack.enter_context(Scorer(sandbox, c.reward.math_mode))
-            executor = SandboxExecutor(sandbox, observation_mode=c.agent.observation_mode,
-                                       max_chars=c.agent.observation_max_chars)
             model_dir = prepare_model_dir(c, wd)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
-            chat = ChatFormat(tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
-            agent = agent_config(c)
+            session = stack.enter_context(Session(c, model_dir))
             mesh = make_mesh(c)
             if c.warmup_sft.steps > 0:
                 warm_dir = wd / "warm_start_model"
                 if not (warm_dir / "config.json").exists():
-                    warm_start(model_dir, warm_dir, c, chat, executor, agent, mesh)
+                    warm_start(model_dir, warm_dir, c, session.chat, session.executor, session.agent, mesh)
                 model_dir = warm_dir
             model = qwen.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
                                          compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl,
@@ -93,45 +146,32 @@ class Trainer:
             if learner.latest_checkpoint() is not None:
                 start, state = learner.restore()
                 log.info("resumed from checkpoint %d", start)
-            client = stack.enter_context(rollout_backend(c, model_dir, model.config.vocab_size))
-            stack.callback(lambda: self.loop.run_until_complete(client.close()))
-            rescorer_for = None
-            if c.saar.enable and c.saar.logprob_mode == "rollout":
-                rescorer_for = lambda route: _RoutedScore(client, route)  # noqa: E731
-            collector = Collector(client.session, executor, chat, agent, scorer, rescorer_for=rescorer_for)
+            session.start_rollout(model_dir)
             writer = stack.enter_context(MetricsWriter(wd / "tb"))
-            step_loop = _StepLoop(self, learner, client, collector, writer, tokenizer, model_dir)
+            step_loop = _StepLoop(c, wd, session, learner, writer, model_dir)
             if start > 0:  # the server still serves the initial weights
                 step_loop.sync(start)
-            sampler = ProblemSampler(training_problems(c), c.data.seed, position=int(state.get("data_position", 0)))
+            sampler = ProblemSampler(training_problems(c), data_seed(c), position=int(state.get("data_position", 0)))
             benchmarks = eval_benchmarks(c)
             if c.train.eval_before_train and start == 0 and benchmarks:
                 step_loop.evaluate(0, benchmarks)
-            return step_loop.run(start, sampler, benchmarks)
-
-
-class _RoutedScore:
-    """Rescorer over the rollout server that holds the trajectory's prefix (SAAR rollout mode)."""
-
-    def __init__(self, client: SGLangClient, route: str) -> None:
-        self.client, self.route = client, route
-
-    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
-        return await self.client.score(input_ids, start, temperature, route_key=self.route)
+            result = step_loop.run(start, sampler, benchmarks)
+        plot_run(wd)  # after the writer is closed: every scalar of the run is on disk
+        return result
 
 
 class _StepLoop:
     """The per-step work of a run, with the run's resources bound."""
 
-    def __init__(self, trainer: Trainer, learner: Learner, client: SGLangClient, collector: Collector,
-                 writer: MetricsWriter, tokenizer: Any, model_dir: Path) -> None:
-        self.c, self.wd, self.loop = trainer.c, trainer.workdir, trainer.loop
-        self.learner, self.client, self.collector, self.writer = learner, client, collector, writer
-        self.tokenizer, self.model_dir = tokenizer, model_dir
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    def __init__(self, config: ml_collections.ConfigDict, workdir: Path, session: Session, learner: Learner,
+                 writer: MetricsWriter, model_dir: Path) -> None:
+        self.c, self.wd, self.session = config, workdir, session
+        self.learner, self.writer, self.model_dir = learner, writer, model_dir
+        pad_id = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
+        self.step_cfg = step_config(config, pad_id)
         # a fixed probe sequence for the weight-sync check: the first toy prompt
         probe = toy_task.make_problems(1, seed=4242)[0]
-        self.probe_ids = list(collector.chat.prompt_ids(probe.messages))[:64]
+        self.probe_ids = list(session.chat.prompt_ids(probe.messages))[:64]
 
     def run(self, start: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
         c = self.c
@@ -141,19 +181,25 @@ class _StepLoop:
             t0 = time.perf_counter()
             scored, rounds = self.collect(step, sampler)
             t_rollout = time.perf_counter() - t0
-            metrics = self.update(scored)
+            calls_before = self.learner.calls
+            metrics = rl_step(self.learner, scored, self.step_cfg)
             t_update = time.perf_counter() - t0 - t_rollout
+            skipped_ids = self.log_skipped(step + 1, scored, calls_before)
             sync = self.sync(step + 1)
-            metrics.update(self.rollout_metrics(scored))
+            metrics.update(rollout_metrics(scored))
             metrics.update({
                 "data/sampling_rounds": float(rounds), "data/position": float(sampler.position),
                 "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": sync.seconds,
                 "weight_sync/probe_gap": max(sync.probe_gap.values(), default=0.0),
+                "learner/skipped_steps": float(self.learner.skipped_steps),
+                "learner/consecutive_skips": float(self.learner.consecutive_skips),
             })
             self.writer.write(step + 1, metrics)
             self.writer.flush()
             if c.train.dump_trajectories:
                 self.dump(step + 1, scored)
+            stop_if_stuck(self.learner, c.train.max_consecutive_skips, step + 1,
+                          {"data_position": sampler.position}, skipped_ids)
             if (step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.train.steps:
                 self.learner.save(step + 1, {"data_position": sampler.position})
             if benchmarks and c.train.eval_every > 0 and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
@@ -163,60 +209,46 @@ class _StepLoop:
                             tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
         return self.summary(history)
 
+    def log_skipped(self, step: int, scored: list[ScoredEpisode], calls_before: int) -> list[list[str]]:
+        """The episode ids of this step's skipped updates, each logged as a warning."""
+        updates = self.step_cfg.mini_batches
+        ids = update_episode_ids(scored, updates, self.learner.cfg.micro_batch_size)
+        out = []
+        for call in self.learner.skipped_calls:
+            if call >= calls_before:
+                k = call - calls_before
+                out.append(ids[k])
+                log.warning("step %d: update %d/%d skipped (non-finite loss or gradient); its episodes: %s",
+                            step, k + 1, updates, ", ".join(ids[k]))
+        return out
+
+    def dump(self, step: int, scored: list[ScoredEpisode]) -> None:
+        """The step's trajectories for the viewer (`viz/dumps.py`, `python -m cleaner_jax.viz.serve`),
+        with the advantages the step trained with and the γ that decided each splice."""
+        tok = self.session.tokenizer
+        write_step(self.wd, step, scored, advantages=step_advantages(scored, self.step_cfg).tolist(),
+                   gamma=self.c.saar.gamma, pieces=token_pieces(tok),
+                   decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False))
+
     # -- phases
-    def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[Scored], int]:
+    def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[ScoredEpisode], int]:
         """One step's scored episodes (DAPO dynamic sampling when configured)."""
-        c = self.c
+        c, collector = self.c, self.session.collector
         sampling = train_sampling(c)
         if not c.algo.dynamic_sampling:
             problems = sampler.take(c.algo.prompts_per_step)
-            return self.loop.run_until_complete(self.collector.collect(problems, c.algo.group_size, sampling, seed=step)), 1
-        return self.loop.run_until_complete(collect_informative(
-            self.collector, sampler.take, prompts=c.algo.prompts_per_step, n=c.algo.group_size, sampling=sampling,
-            seed=step, max_rounds=c.algo.dynamic_sampling_max_rounds))
-
-    def update(self, scored: list[Scored]) -> dict[str, float]:
-        c = self.c
-        rewards = shaped_rewards(scored, c.agent.max_response_tokens, c.reward.overlong_buffer, c.reward.overlong_factor)
-        adv = group_advantages(scored, rewards, c.algo.advantage, c.algo.adv_eps)
-        multiple = c.algo.micro_batch_size * c.algo.mini_batches_per_step
-        batch = learner_batch(scored, adv.advantages, pad_id=self.pad_id,
-                              use_rollout_logprobs=c.saar.logprob_mode == "rollout", multiple_of=multiple)
-        if "old_logprobs" not in batch:  # the authors: recompute on the purified sequences, once per step
-            batch = self.learner.add_old_logprobs(batch)
-        n = batch["input_ids"].shape[0]
-        per_mini = n // c.algo.mini_batches_per_step
-        sums: dict[str, float] = {}
-        for k in range(c.algo.mini_batches_per_step):
-            rows = slice(k * per_mini, (k + 1) * per_mini)
-            m = self.learner.train_step({key: v[rows] for key, v in batch.items()})
-            for key, v in m.items():
-                sums[key] = sums.get(key, 0.0) + v / c.algo.mini_batches_per_step
-        out = {f"learner/{k}": v for k, v in sums.items()}
-        valid = np.isfinite(rewards)
-        out.update(adv.metrics("adv/"))
-        out["reward/mean"] = float(np.mean(rewards[valid])) if valid.any() else float("nan")
-        return out
-
-    def rollout_metrics(self, scored: list[Scored]) -> dict[str, float]:
-        valid = [s for s in scored if s.valid]
-        episodes = [s.episode for s in valid]
-        out = step_metrics(episodes) if episodes else {}
-        out["reward/acc"] = float(np.mean([s.reward.acc for s in valid])) if valid else float("nan")
-        out["reward/score_mean"] = float(np.mean([s.reward.score for s in valid])) if valid else float("nan")
-        out["infra/invalid_episodes"] = float(len(scored) - len(valid))
-        out["response/purified_tokens_mean"] = float(np.mean([len(e.purified.response_ids) for e in episodes])) if episodes else 0.0
-        out["response/raw_tokens_mean"] = float(np.mean([len(e.raw.flatten().response_ids) for e in episodes])) if episodes else 0.0
-        raw_obs = [seg for e in episodes for seg in e.raw.segments if seg.kind == "obs"]
-        out["tool/raw_error_rate"] = float(np.mean([seg.tool_failed for seg in raw_obs])) if raw_obs else 0.0
-        return out
+            seed = rollout_seed(c.train.seed, step)
+            return self.session.run(collector.collect(problems, c.algo.group_size, sampling, seed=seed)), 1
+        return self.session.run(collect_informative(
+            collector, sampler.take, prompts=c.algo.prompts_per_step, n=c.algo.group_size, sampling=sampling,
+            seed=rollout_seed(c.train.seed, step), max_rounds=c.algo.dynamic_sampling_max_rounds))
 
     def sync(self, step: int):
         """Export the learner's weights and load them on every rollout server, with a probe."""
         out_dir = self.wd / "sync" / f"step_{step:06d}"
         learner_lp = lambda ids, start: self._learner_logprobs(ids, start)  # noqa: E731
-        report = self.loop.run_until_complete(export_and_sync(
-            self.learner.model(), out_dir, self.client, f"step-{step}", tokenizer_from=self.model_dir,
+        report = self.session.run(export_and_sync(
+            self.learner.model(), out_dir, self.session.client, f"step-{step}", tokenizer_from=self.model_dir,
             probe_ids=self.probe_ids, probe_start=1, learner_logprobs=learner_lp,
             max_mean_abs_gap=self.c.train.weight_sync_probe_tol))
         for old in sorted((self.wd / "sync").glob("step_*"))[:-1]:  # servers only need the newest
@@ -228,26 +260,21 @@ class _StepLoop:
         mb = self.learner.cfg.logprob_micro_batch_size
         arr = np.zeros((mb, len(ids)), np.int32)
         arr[:] = ids
-        lp = self.learner.logprobs({"input_ids": arr, "attention_mask": np.ones_like(arr)}, temperature=1.0)
+        lp = self.learner.logprobs(arr, np.ones_like(arr), temperature=1.0)
         return lp[0, start:].tolist()
 
     def evaluate(self, step: int, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
-        results = self.loop.run_until_complete(
-            evaluate(self.collector, benchmarks, self.c.rollout.eval_n, eval_sampling(self.c), seed=10_000 + step))
-        write_report(results, self.wd / "eval" / f"step_{step:06d}", f"evaluation at step {step}")
-        out = {}
-        for r in results:
-            for k, v in r.pass_at_k.items():
-                out[f"eval/{r.name}/pass@{k}"] = v
-            out[f"eval/{r.name}/mean_score"] = r.mean_score
+        """The evaluation after `step` steps, written to <workdir>/eval/step_N/ (afresh: a resumed
+        run may have re-trained this step) and logged as `eval/<benchmark>/...` metrics."""
+        plan = eval_plan(self.c)
+        plan = dataclasses.replace(plan, seed=eval_seed(plan.seed, step))
+        results = self.session.run(run_evaluation(
+            self.session.collector, eval_specs(self.c, benchmarks), self.wd / "eval" / f"step_{step:06d}", plan,
+            EpisodeCodec(episode_to_dict, episode_from_dict), resume=False, model=f"step {step}",
+            title=f"evaluation at step {step}"))
+        out = metric_dict(results)
         self.writer.write(step, out)
         return out
-
-    def dump(self, step: int, scored: list[Scored]) -> None:
-        rows = [(s.episode, {"uid": s.problem.uid, "group": s.group, "score": s.reward.score,
-                             "acc": s.reward.acc, "reward_detail": s.reward.detail})
-                for s in scored if s.episode is not None]
-        write_episodes(self.wd / "trajectories" / f"step_{step:06d}.jsonl", [e for e, _ in rows], [x for _, x in rows])
 
     def summary(self, history: list[dict[str, float]]) -> dict[str, float]:
         if not history:
@@ -273,11 +300,18 @@ def main(argv: list[str]) -> None:
     workdir = Path(flags.FLAGS.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    Trainer(config, workdir).run()
+    try:
+        Trainer(config, workdir).run()
+    except NonFiniteTrainingError as err:  # the checkpoint is written; say why the run stopped
+        raise SystemExit(f"error: {err}") from err
 
 
 if __name__ == "__main__":  # flags are defined here so that importing this module defines none
     config_flags.DEFINE_config_file("config", None, "ml-collections config file (configs/*.py)", lock_config=True)
     flags.DEFINE_string("workdir", None, "directory for checkpoints, TensorBoard events and dumps")
     flags.mark_flags_as_required(["config", "workdir"])
+    try:
+        check_override_keys(sys.argv[1:])
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
     app.run(main)

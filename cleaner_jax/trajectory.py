@@ -9,7 +9,10 @@ Three views of one episode:
 * `Trajectory` — one flat token buffer (prompt ids + response ids) with per-token loss mask,
   rollout log-probs, behaviour log-probs and a SAAR-spliced flag, plus the list of segment
   spans. `saar.purify(raw)` builds the purified one; `raw.flatten()` the unpurified one.
-* `Batch` — right-padded NumPy arrays for the learner.
+* `ScoredEpisode` — an episode with its reward and group: what the RL step
+  (`cleaner_jax.rl.step`), the evaluation and the dumps consume.
+
+The learner's padded batch is `cleaner_jax.rl.batch.Batch` (built from trajectories there).
 
 Token/mask alignment convention (used everywhere downstream): in a full sequence
 `ids = prompt_ids ++ response_ids`, `loss_mask[t] == 1` means token `ids[t]` was sampled by the
@@ -23,7 +26,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
-import jax
 import numpy as np
 
 SegmentKind = Literal["prompt", "turn", "obs"]
@@ -35,6 +37,8 @@ ObsRole = Literal["result", "feedback", "giveup", "unappended"]
 # call only ("shallow") or whole turn ("deep"); a regeneration without a tool call kept raw
 # after the error feedback ("kept_raw"); a regeneration dropped at the turn cap ("discarded").
 SpliceKind = Literal["none", "shallow", "deep", "kept_raw", "discarded"]
+# Per-token code of `Trajectory.splice_kind`: which kind of SAAR splice put the token there.
+NOT_SPLICED, SPLICED_SHALLOW, SPLICED_DEEP = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,10 @@ class Trajectory:
     rollout_logprobs: np.ndarray  # [R] float32, log p_rollout(token | this context); 0 on obs
     behaviour_logprobs: np.ndarray  # [R] float32, log-prob under the context it was sampled in
     spliced: np.ndarray  # [R] bool, token was spliced in by SAAR
+    # [R] int8: NOT_SPLICED, or the kind of the splice that inserted the token (SPLICED_SHALLOW:
+    # a regenerated call; SPLICED_DEEP: a regenerated whole turn). Per token, because a turn
+    # spliced twice can hold tokens of both kinds while its span carries one label.
+    splice_kind: np.ndarray
     segments: tuple[SegmentSpan, ...] = ()
     truncated: bool = False
 
@@ -139,19 +147,33 @@ class Trajectory:
         spliced: Sequence[bool],
         segments: Sequence[SegmentSpan],
         truncated: bool = False,
+        splice_kind: Sequence[int] | None = None,
     ) -> Trajectory:
+        """`splice_kind` (codes NOT_SPLICED / SPLICED_SHALLOW / SPLICED_DEEP) may be left None only
+        when no token is spliced (an unpurified flat trajectory)."""
         n = len(response_ids)
+        if splice_kind is None:
+            if any(spliced):
+                raise ValueError("Trajectory: spliced tokens need their splice_kind (SPLICED_SHALLOW / SPLICED_DEEP)")
+            splice_kind = [NOT_SPLICED] * n
         for name, arr in (("loss_mask", loss_mask), ("rollout_logprobs", rollout_logprobs),
-                          ("behaviour_logprobs", behaviour_logprobs), ("spliced", spliced)):
+                          ("behaviour_logprobs", behaviour_logprobs), ("spliced", spliced),
+                          ("splice_kind", splice_kind)):
             if len(arr) != n:
                 raise ValueError(f"Trajectory: {name} has {len(arr)} entries for {n} response tokens")
+        kind = np.asarray(splice_kind, dtype=np.int8)
+        flags = np.asarray(spliced, dtype=bool)
+        if not np.isin(kind, (NOT_SPLICED, SPLICED_SHALLOW, SPLICED_DEEP)).all() or not np.array_equal(kind > 0, flags):
+            raise ValueError("Trajectory: splice_kind must be 0 (not spliced), 1 (shallow) or 2 (deep), "
+                             "and > 0 exactly where spliced is True")
         return Trajectory(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=np.asarray(response_ids, dtype=np.int32),
             loss_mask=np.asarray(loss_mask, dtype=np.int32),
             rollout_logprobs=np.asarray(rollout_logprobs, dtype=np.float32),
             behaviour_logprobs=np.asarray(behaviour_logprobs, dtype=np.float32),
-            spliced=np.asarray(spliced, dtype=bool),
+            spliced=flags,
+            splice_kind=kind,
             segments=tuple(segments),
             truncated=truncated,
         )
@@ -175,64 +197,10 @@ class Trajectory:
             rollout_logprobs=self.rollout_logprobs[cut],
             behaviour_logprobs=self.behaviour_logprobs[cut],
             spliced=self.spliced[cut],
+            splice_kind=self.splice_kind[cut],
             segments=spans,
             truncated=True,
         )
-
-
-jax.tree_util.register_dataclass(
-    Trajectory,
-    data_fields=["prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "behaviour_logprobs", "spliced"],
-    meta_fields=["segments", "truncated"],
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """Right-padded learner arrays; index t is token t of `prompt ++ response` (see module doc)."""
-
-    input_ids: np.ndarray  # [B, T] int32
-    attention_mask: np.ndarray  # [B, T] int32, 1 on real tokens
-    loss_mask: np.ndarray  # [B, T] int32, 1 on policy tokens
-    rollout_logprobs: np.ndarray  # [B, T] float32
-    behaviour_logprobs: np.ndarray  # [B, T] float32
-    spliced: np.ndarray  # [B, T] bool
-    prompt_lengths: np.ndarray  # [B] int32
-    lengths: np.ndarray  # [B] int32, prompt + response tokens
-
-
-jax.tree_util.register_dataclass(
-    Batch,
-    data_fields=[f.name for f in dataclasses.fields(Batch)],
-    meta_fields=[],
-)
-
-
-def to_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, max_length: int | None = None) -> Batch:
-    """Right-pad full sequences to `max_length` (default: the longest); lengths are explicit."""
-    if not trajectories:
-        raise ValueError("to_batch needs at least one trajectory")
-    lengths = np.array([len(t.prompt_ids) + len(t.response_ids) for t in trajectories], dtype=np.int32)
-    width = int(lengths.max()) if max_length is None else max_length
-    if lengths.max() > width:
-        raise ValueError(f"a trajectory has {int(lengths.max())} tokens but max_length={width}; truncate first")
-    b = len(trajectories)
-    input_ids = np.full((b, width), pad_id, dtype=np.int32)
-    attention = np.zeros((b, width), dtype=np.int32)
-    loss = np.zeros((b, width), dtype=np.int32)
-    rollout = np.zeros((b, width), dtype=np.float32)
-    behaviour = np.zeros((b, width), dtype=np.float32)
-    spliced = np.zeros((b, width), dtype=bool)
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), int(lengths[i])
-        input_ids[i, :n] = t.full_ids
-        attention[i, :n] = 1
-        loss[i, p:n] = t.loss_mask
-        rollout[i, p:n] = t.rollout_logprobs
-        behaviour[i, p:n] = t.behaviour_logprobs
-        spliced[i, p:n] = t.spliced
-    prompt_lengths = np.array([len(t.prompt_ids) for t in trajectories], dtype=np.int32)
-    return Batch(input_ids, attention, loss, rollout, behaviour, spliced, prompt_lengths, lengths)
 
 
 SaarOutcome = Literal["recovered", "gave_up", "no_tool_call", "turn_cap"]
@@ -240,7 +208,7 @@ SaarOutcome = Literal["recovered", "gave_up", "no_tool_call", "turn_cap"]
 
 @dataclasses.dataclass(frozen=True)
 class SaarEvent:
-    """One failing position handled by SAAR (research/open_cleaner.md §2.7 rows 1-4).
+    """One failing position handled by SAAR (docs/authors.md §2.7 rows 1-4).
 
     `attempts`: regenerations sampled (1..K). `error_labels[k]`: label of the failed execution
     of attempt k (attempt 0 = the original call). `similarities`/`decisions`: one per splice.
@@ -291,4 +259,32 @@ class Episode:
     termination: Termination
     saar_drawn_on: bool  # result of the per-trajectory rollback_probability draw
     num_turns: int  # the authors' user_turns + assistant_turns + 1
-    negatives: tuple[Trajectory, ...] = ()  # failed attempts (keep_failed_attempts option)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredEpisode:
+    """One finished episode of one problem with its reward: the unit the RL step consumes.
+
+    It lives on the ground floor, beside `Episode`, so that `rl/` (which may not import the
+    agent, the rewards or the data) can take a list of them, and a notebook can build one by
+    hand. `error` says why the episode is invalid: an infrastructure failure (sandbox crash,
+    dead verifier, unreachable server) that is counted, kept out of group statistics and out of
+    the loss, and never scored as a model error (docs/honest_rl.md rule 5).
+    """
+
+    uid: str  # the problem's id
+    group: int  # GRPO group: episodes of one problem in one collection share it
+    episode: Episode | None  # None when the rollout itself failed (server unreachable)
+    score: float  # the reward (NaN when the verifier failed)
+    acc: bool = False  # the authors' exact-match / all-tests-passed flag
+    reward_detail: str = ""  # the verifier's reason ("correct", "3/5 tests passed", ...)
+    response_text: str = ""  # the purified response, decoded
+    error: str | None = None  # why the episode is invalid, when it is
+
+    def __post_init__(self) -> None:
+        if self.error is None and self.episode is None:
+            raise ValueError(f"ScoredEpisode {self.uid!r}: a valid episode needs its Episode (error is None, episode is None)")
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None

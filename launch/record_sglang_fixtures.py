@@ -2,7 +2,7 @@
 
 What it does: builds the tiny checkpoints of `cleaner_jax.toy.checkpoint.make_tiny_checkpoint`
 (seed 0 served, seed 1 as the weight-update target), starts real SGLang 0.5.23 on CPU from a
-separate venv with the flags that work there (research/sglang.md §1.2 A4/B3), sends a fixed
+separate venv with the flags that work there (docs/sglang_api.md §1.2 A4/B3), sends a fixed
 sequence of requests (greedy, sampled, stop tokens, batches, n>1, prompt log-probs, prefix-cache
 hits, errors, flush, weight update) and writes them, in order, with the responses to
 `tests/fixtures/sglang/conformance.json`. `tests/test_rollout_conformance.py` replays the file
@@ -15,7 +15,7 @@ the fixture, or to check a new SGLang release):
     .venv/bin/python launch/record_sglang_fixtures.py --sglang-venv /work/sglang-venv
 
 then commit tests/fixtures/sglang/conformance.json. Requests with out-of-vocabulary ids are
-never sent: they kill the SGLang CPU server (sglang.md §1.4).
+never sent: they kill the SGLang CPU server (docs/sglang_api.md §1.4).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 # Install real SGLang 0.5.23 into a separate CPU-only venv (outside the repo), for the
 # conformance recording in launch/record_sglang_fixtures.py. Never a project dependency.
 #
-# This is the "light" recipe of research/sglang.md §1.2 (attempt A4): the CPU torch 2.13.0
+# This is the "light" recipe of docs/sglang_api.md §1.2 (attempt A4): the CPU torch 2.13.0
 # wheel, sglang with --no-deps (its declared deps are CUDA-only), the pure/CPU deps it imports,
 # triton (imported unconditionally), and a stand-in `torchvision` package (PyPI's torchvision
 # links CUDA libs; a text model never calls it). pip reports violated pins (torch, xgrammar,

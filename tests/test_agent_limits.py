@@ -1,4 +1,4 @@
-"""Length and turn limits of the loop (research/open_cleaner.md §1.3-§1.4, §2.6), real sandbox."""
+"""Length and turn limits of the loop (docs/authors.md §1.3-§1.4, §2.6), real sandbox."""
 import asyncio
 import random
 import tempfile

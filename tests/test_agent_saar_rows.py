@@ -1,4 +1,4 @@
-"""Every outcome row of research/open_cleaner.md §2.7, run through the agent loop with a scripted
+"""Every outcome row of docs/authors.md §2.7, run through the agent loop with a scripted
 policy, the real sandbox and the tiny tokenizer; purified tokens, loss mask, segments and
 counters are compared with hand-written expectations."""
 import asyncio
@@ -217,14 +217,3 @@ def test_malformed_call_gets_the_format_error_and_triggers_saar(tok, sandbox):
     feedback = next(s for s in ep.raw.segments if s.kind == "obs")
     assert (feedback.role, feedback.text, feedback.error_label) == ("feedback", fmt, "tool_call_format_error")
     assert ep.stats.recovered == 1
-
-
-def test_negative_stream_keeps_failed_attempts_of_recovered_positions(tok, sandbox):
-    ep, _ = run(tok, sandbox, [FAIL_1, code_call("print(bad)", "Attempt 1. "), FIX], keep_failed_attempts=True)
-    assert len(ep.negatives) == 2
-    first = ep.negatives[0]
-    assert first.response_ids.tolist() == turn(tok, FAIL_1)
-    prefix = len(ids(tok, "Let me compute. "))
-    assert first.loss_mask.tolist() == [0] * prefix + [1] * (len(turn(tok, FAIL_1)) - prefix)
-    gave_up, _ = run(tok, sandbox, [FAIL_1] * 4, keep_failed_attempts=True)
-    assert gave_up.negatives == ()

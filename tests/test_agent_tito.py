@@ -1,5 +1,5 @@
 """Token-in/token-out: the loop's buffer of a 5-turn conversation against a full chat-template
-rendering of the same conversation (user_needs.md #1 acceptance test), and the learner batch."""
+rendering of the same conversation (docs/honest_rl.md rule 1), and the learner batch."""
 import asyncio
 import random
 import tempfile
@@ -11,8 +11,8 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
-from cleaner_jax.trajectory import to_batch
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
+from cleaner_jax.rl.batch import from_trajectories
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 
@@ -89,14 +89,17 @@ def test_faithful_buffer_misses_one_newline_per_observation(family, sandbox):
 def test_batch_is_right_padded_with_explicit_lengths(sandbox):
     tok, ep = _episode("qwen3", "faithful", sandbox)
     short = ep.purified.truncate(5)
-    batch = to_batch([ep.purified, short], pad_id=tok.eos_token_id)
+    batch = from_trajectories([ep.purified, short], np.zeros(2), pad_id=tok.eos_token_id)
     p = len(ep.purified.prompt_ids)
     n0, n1 = p + len(ep.purified.response_ids), p + 5
-    assert batch.lengths.tolist() == [n0, n1] and batch.prompt_lengths.tolist() == [p, p]
+    assert batch.lengths.tolist() == [n0, n1]
+    np.testing.assert_array_equal(batch.input_ids[1, :n1], short.full_ids)  # prompt first, then the response
     assert batch.input_ids.shape == (2, n0)
     assert batch.attention_mask[1].tolist() == [1] * n1 + [0] * (n0 - n1)
     assert batch.loss_mask[0, :p].sum() == 0
     np.testing.assert_array_equal(batch.loss_mask[0, p:], ep.purified.loss_mask)
+    np.testing.assert_array_equal(batch.rollout_logprobs[0, p:], ep.purified.rollout_logprobs)
+    assert batch.loss_mask[1, :p].sum() == 0 and batch.rollout_logprobs[:, :p].sum() == 0
     # padding uses the EOS id here, yet the loss mask is 0 there: masks come from lengths
     assert (batch.input_ids[1, n1:] == tok.eos_token_id).all() and batch.loss_mask[1, n1:].sum() == 0
     assert short.truncated and short.segments[-1].end == 5

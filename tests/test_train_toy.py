@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--config.warmup_sft.steps=4", "--config.warmup_sft.examples=16", "--config.warmup_sft.batch_size=8",
     "--config.algo.prompts_per_step=2", "--config.algo.group_size=2", "--config.algo.micro_batch_size=4",
-    "--config.data.eval_limit=2", "--config.rollout.eval_n=2", "--config.train.eval_every=2",
+    "--config.data.eval_limit=2", "--config.eval.n=2", "--config.train.eval_every=2",
     "--config.train.checkpoint_every=1", "--config.sandbox.workers=2",
 ]
 
@@ -60,8 +60,8 @@ def test_toy_run_writes_events_checkpoint_dumps_and_eval(uninterrupted):
         assert key in m[3], key
     assert m[3]["weight_sync/probe_gap"] < 1e-3  # the server serves exactly the learner's weights
     assert (wd / "checkpoints" / "3").is_dir()
-    assert sorted(p.name for p in (wd / "trajectories").glob("*.jsonl")) == [
-        "step_000001.jsonl", "step_000002.jsonl", "step_000003.jsonl"]
+    assert sorted(p.name for p in (wd / "trajectories").glob("*.jsonl.gz")) == [
+        "step_000001.jsonl.gz", "step_000002.jsonl.gz", "step_000003.jsonl.gz"]
     report = json.loads((wd / "eval" / "step_000002" / "results.json").read_text())
     assert report[0]["name"] == "toy" and report[0]["samples_per_problem"] == 2
     assert (wd / "eval" / "step_000002" / "results.md").read_text().startswith("# evaluation at step 2")
@@ -123,7 +123,7 @@ def test_evaluate_cli_writes_a_report_for_the_newest_export(uninterrupted, tmp_p
     proc = subprocess.run(
         [sys.executable, "-m", "cleaner_jax.evaluate", "--config", str(ROOT / "configs/toy.py"),
          "--workdir", str(uninterrupted), "--out", str(out), "--config.data.eval_limit=3",
-         "--config.rollout.eval_n=2", "--config.sandbox.workers=2"],
+         "--config.eval.n=2", "--config.sandbox.workers=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "results.json").read_text())

@@ -1,4 +1,4 @@
-"""The multi-turn tool agent loop with SAAR Phase I (research/open_cleaner.md §1.2-§2.7).
+"""The multi-turn tool agent loop with SAAR Phase I (docs/authors.md §1.2-§2.7).
 
 One episode: render the prompt with the tool schema, then alternate assistant turns (the
 engine's ids, appended as sampled) and observations (chat-template ids) until the model answers
@@ -86,8 +86,6 @@ class _Run:
     recovered: set[int] = dataclasses.field(default_factory=set)
     stats: ToolStats = dataclasses.field(default_factory=ToolStats)
     events: dict[int, _Event] = dataclasses.field(default_factory=dict)
-    negatives: list[Trajectory] = dataclasses.field(default_factory=list)
-    pending_negatives: dict[int, list[Trajectory]] = dataclasses.field(default_factory=dict)
 
     @property
     def response_len(self) -> int:
@@ -167,7 +165,7 @@ class AgentLoop:
             return turn, "max_assistant_turns"  # tool_calls deliberately not re-parsed (§1.4)
         if st.user_turns >= cfg.max_user_turns:
             return turn, "max_user_turns"
-        st.tool_calls = parse_tool_calls(self.chat.decode(ids))
+        st.tool_calls = parse_tool_calls(self.chat.decode(ids), cfg.tool_call_parser)
         return turn, (None if st.tool_calls else "answer")
 
     def _set_last_turn(self, st: _Run, ids: list[int], call_start_: int | None) -> None:
@@ -203,14 +201,11 @@ class AgentLoop:
                     st.recovered.add(key)
                     st.stats.recovered += 1
                     st.events[key].outcome = "recovered"
-                    st.negatives += st.pending_negatives.pop(key, [])
             return self._append_result(st, result)  # normal path (also: SAAR off, §2.7 row 5)
 
     async def _retry(self, st: _Run, key: int, failed: ToolResult) -> str:
         """One regeneration at position `key`; returns "spliced" or a termination."""
         saar = self.config.saar
-        if saar.keep_failed_attempts:
-            st.pending_negatives.setdefault(key, []).append(self._negative(st))
         ckpt_len, ckpt_turns = len(st.context), (st.assistant_turns, st.user_turns)
         st.retries[key] = attempt = st.retries.get(key, 0) + 1
         feedback = self.chat.observation_ids([failed.text], after_eos=self._ends_with_eos(st.last_turn))
@@ -291,7 +286,6 @@ class AgentLoop:
         if key not in st.recovered:
             st.stats.failed += 1
         st.events[key].outcome = outcome
-        st.pending_negatives.pop(key, None)
 
     def _ends_with_eos(self, turn: Sequence[int]) -> bool:
         return bool(turn) and turn[-1] == self.chat.eos_id
@@ -313,16 +307,6 @@ class AgentLoop:
             stats.failure_reasons[label] = stats.failure_reasons.get(label, 0) + 1
         stats.infra_failures += int(result.infra)
 
-    def _negative(self, st: _Run) -> Trajectory:
-        """The context up to the failing turn; loss only on that turn's call tokens."""
-        n = st.response_len
-        call_from = st.last_turn_start - st.prompt_len + (st.last_call_start or 0)
-        mask = [0] * n
-        mask[call_from:] = [1] * (n - call_from)
-        zeros = [0.0] * n
-        return Trajectory.build(st.context[: st.prompt_len], st.context[st.prompt_len:], mask, zeros, zeros,
-                                [False] * n, ())
-
     def _finish(self, st: _Run, prompt: list[int], termination: str | None, drawn_on: bool) -> Episode:
         raw = RawTrajectory(tuple(prompt), tuple(st.segments))
         purified = purify(raw)
@@ -333,5 +317,4 @@ class AgentLoop:
             )
         events = [ev.freeze(st.retries.get(key, 0), purified) for key, ev in sorted(st.events.items())]
         return Episode(raw, purified.truncate(self.config.max_response_tokens), tuple(events), st.stats,
-                       termination or "answer", drawn_on, st.user_turns + st.assistant_turns + 1,
-                       tuple(st.negatives))
+                       termination or "answer", drawn_on, st.user_turns + st.assistant_turns + 1)

@@ -1,4 +1,4 @@
-"""Async client for SGLang's native API subset (research/sglang.md §5.3), token ids in and out.
+"""Async client for SGLang's native API subset (docs/sglang_api.md §5.3), token ids in and out.
 
 Works unchanged against real SGLang, sglang-router and cleaner_jax.rollout.server. It sends
 every sampling parameter explicitly, always asks for log-probs, reads only the stable
@@ -164,7 +164,7 @@ class SGLangClient:
         return to_gen_output(await self.generate_raw(body, route_key=route_key))
 
     def session(self, route_key: str) -> "RoutedGenerate":
-        """A `Generate` bound to one trajectory: every call goes to the same server."""
+        """A `Generate` (and `Rescorer`) bound to one trajectory: every call goes to the same server."""
         return RoutedGenerate(self, route_key)
 
     async def score(
@@ -248,7 +248,9 @@ class SGLangClient:
 
 
 class RoutedGenerate:
-    """`Generate` for one trajectory (sticky to one server)."""
+    """`Generate` and `Rescorer` for one trajectory (sticky to one server): its turns and the
+    re-scoring of its spliced spans (SAAR rollout log-prob mode) hit the server that holds its
+    prefix."""
 
     def __init__(self, client: SGLangClient, route_key: str) -> None:
         self.client = client
@@ -256,6 +258,9 @@ class RoutedGenerate:
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
         return await self.client(input_ids, sampling, route_key=self.route_key)
+
+    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
+        return await self.client.score(input_ids, start, temperature, route_key=self.route_key)
 
 
 def to_gen_output(resp: dict[str, Any]) -> GenOutput:

@@ -4,7 +4,7 @@ The SGLang HTTP client and the in-process JAX engine both satisfy `Generate`, so
 loop (and SAAR Phase I inside it) can be driven by a real server, the embedded engine, or a
 scripted policy in tests, without knowing which.
 
-`sampling` uses SGLang's `sampling_params` names (research/sglang.md §3.2): `temperature`,
+`sampling` uses SGLang's `sampling_params` names (docs/sglang_api.md §3.2): `temperature`,
 `top_p`, `top_k`, `max_new_tokens`, `stop_token_ids`, `ignore_eos`, ...
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Learner → rollout servers weight sync over HF safetensors on disk, verified and probed.
 
-The portable path (works on real SGLang, GPU or CPU, and on our server) of research/sglang.md
-§5.1 and user_needs.md #4: write the learner's params as an HF directory, ask every server to
+The portable path (works on real SGLang, GPU or CPU, and on our server) of docs/sglang_api.md
+§5.1 and docs/honest_rl.md rule 4: write the learner's params as an HF directory, ask every server to
 `/update_weights_from_disk` with a `weight_version`, check every server reports that version,
 flush every prefix cache (KV computed with old weights must never be reused), then re-score a
 fixed probe sequence on every server and compare with the learner's own log-probs. A gap above

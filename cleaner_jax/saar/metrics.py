@@ -1,11 +1,13 @@
 """Per-step tool and SAAR metrics: a pure function of the step's episodes.
 
-The authors' set (research/open_cleaner.md §2.8) with one deliberate fix: failure reasons count
+The authors' set (docs/authors.md §2.8) with one deliberate fix: failure reasons count
 failures, not trajectories having the label (§9.17). Added: tool calls and errors per
 trajectory in the raw and the purified trajectories, the share of SAAR-spliced policy tokens,
 purified-trajectory share, similarity mean, tokens removed/inserted, infra failures.
-The authors' run-cumulative `tool_calls/global_success_rate` needs state across steps; the
-trainer accumulates `tool_calls/all_attempts` and `tool_calls/all_successes` for it.
+The authors' run-cumulative `tool_calls/global_success_rate` is not logged (a pure per-step
+function has no run state, and a resumed run would have to restore it): it is the ratio of the
+running sums of the per-step `tool_calls/all_successes` and `tool_calls/all_attempts`, which
+a reader of `metrics.jsonl` forms in one line.
 """
 from __future__ import annotations
 

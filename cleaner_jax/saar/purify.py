@@ -2,13 +2,15 @@
 
 The agent loop takes each decision once (it needs the purified context to keep generating) and
 records it on the raw segments; purification is then a pure function of the raw record, so a
-purified trajectory can always be rebuilt and audited from the raw one (user_needs.md #8).
+purified trajectory can always be rebuilt and audited from the raw one (docs/honest_rl.md rule 6).
 
-Replay rules, per segment in execution order (§2.4-§2.7):
+Replay rules, per segment in execution order (docs/authors.md §2.4-§2.7):
 * first-attempt turn: appended as sampled;
 * `feedback` observation (the error shown for a retry): held back;
 * regeneration `shallow`/`deep`: spliced into the last turn (call segment or whole turn), the
-  held-back feedback is dropped; spliced tokens are flagged, their rollout log-probs are the
+  held-back feedback is dropped; spliced tokens are flagged with the kind of the splice that
+  inserted them (`Trajectory.splice_kind`), their behaviour log-probs are the sampled ones (the
+  error was in context), and their rollout log-probs are the
   re-scored ones when the loop recorded them (`rollout` mode), else the sampled ones;
 * regeneration `kept_raw` (it had no tool call): the feedback and the regeneration are appended
   as they are — the regeneration was sampled in exactly that context, so it is on-policy;
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cleaner_jax.trajectory import RawTrajectory, Segment, SegmentSpan, Trajectory
+from cleaner_jax.trajectory import SPLICED_DEEP, SPLICED_SHALLOW, RawTrajectory, Segment, SegmentSpan, Trajectory
 from cleaner_jax.saar.splice import splice
 
 
@@ -30,14 +32,14 @@ class _Piece:
     mask: int
     rollout: list[float]
     behaviour: list[float]
-    spliced: list[bool]
+    kind: list[int]  # per token: NOT_SPLICED, SPLICED_SHALLOW or SPLICED_DEEP
     call_start: int | None
 
 
 def _piece(seg: Segment) -> _Piece:
     n = len(seg.token_ids)
     lp = list(seg.logprobs) if (seg.kind == "turn" and seg.logprobs is not None) else [0.0] * n
-    return _Piece(seg, list(seg.token_ids), int(seg.kind == "turn"), lp, list(lp), [False] * n, seg.call_start)
+    return _Piece(seg, list(seg.token_ids), int(seg.kind == "turn"), lp, list(lp), [0] * n, seg.call_start)
 
 
 def _splice_into(last: _Piece, regen: Segment) -> None:
@@ -52,12 +54,12 @@ def _splice_into(last: _Piece, regen: Segment) -> None:
                 f"for {expected} spliced tokens"
             )
         new.rollout[(start or 0):] = list(regen.rescored_logprobs)
-    new.spliced = [True] * len(new.ids)
+    new.kind = [SPLICED_DEEP if decision == "deep" else SPLICED_SHALLOW] * len(new.ids)
     args = (last.call_start, regen.call_start, decision)
     last.ids, _ = splice(last.ids, new.ids, *args)
     last.rollout, _ = splice(last.rollout, new.rollout, *args)
     last.behaviour, _ = splice(last.behaviour, new.behaviour, *args)
-    last.spliced, cut = splice(last.spliced, new.spliced, *args)
+    last.kind, cut = splice(last.kind, new.kind, *args)
     last.call_start = cut if decision == "shallow" else regen.call_start  # shallow: call begins where old did
 
 
@@ -101,7 +103,7 @@ def _assemble(prompt_ids: tuple[int, ...], pieces: list[_Piece]) -> Trajectory:
     mask: list[int] = []
     rollout: list[float] = []
     behaviour: list[float] = []
-    spliced: list[bool] = []
+    kind: list[int] = []
     spans: list[SegmentSpan] = []
     for p in pieces:
         start = len(ids)
@@ -109,9 +111,10 @@ def _assemble(prompt_ids: tuple[int, ...], pieces: list[_Piece]) -> Trajectory:
         mask += [p.mask] * len(p.ids)
         rollout += p.rollout
         behaviour += p.behaviour
-        spliced += p.spliced
+        kind += p.kind
         span = SegmentSpan.of(p.seg, start, len(ids), spliced=False)
-        if any(p.spliced):
-            span = dataclasses.replace(span, spliced="deep" if all(p.spliced) else "shallow")
+        if any(p.kind):
+            span = dataclasses.replace(span, spliced="deep" if all(p.kind) else "shallow")
         spans.append(span)
-    return Trajectory.build(prompt_ids, ids, mask, rollout, behaviour, spliced, spans)
+    return Trajectory.build(prompt_ids, ids, mask, rollout, behaviour, [k > 0 for k in kind], spans,
+                            splice_kind=kind)

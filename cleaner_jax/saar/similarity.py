@@ -1,6 +1,6 @@
 """Similarity of a failed call and its regeneration, which picks shallow vs deep replacement.
 
-Faithful, mode `call` (research/open_cleaner.md §2.5): `difflib.SequenceMatcher(None, old, new).ratio()`
+Faithful, mode `call` (docs/authors.md §2.5): `difflib.SequenceMatcher(None, old, new).ratio()`
 with the default `autojunk=True`, where `old`/`new` are the decoded tool-call segments (from the
 first `<tool_call>` token to the end of the turn, special tokens kept, so JSON boilerplate,
 escaping, `</tool_call>` and `<|im_end|>` are included). Order matters: `a` = old, `b` = new.

@@ -1,4 +1,4 @@
-"""Shallow/deep decision and the token-level splice of a regenerated turn (§2.5).
+"""Shallow/deep decision and the token-level splice of a regenerated turn (docs/authors.md §2.5).
 
 `decide`: deep (replace the whole turn) iff similarity < γ (strict), shallow (keep the failing
 turn's reasoning prefix, replace its call segment) otherwise; deep as a fallback when either

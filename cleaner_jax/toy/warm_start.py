@@ -1,7 +1,7 @@
 """Supervised warm start for the toy run: the analogue of the paper's RA-SFT checkpoints.
 
 A random tiny model never emits a tool call, so RL would have nothing to reinforce. The toy
-teacher (`data.toy_task.ToyTeacher`) writes demonstrations through the real agent loop and
+teacher (`cleaner_jax.toy.task.ToyTeacher`) writes demonstrations through the real agent loop and
 sandbox — some with a failing first call and its recovery — and a short NLL fit on their raw
 token buffers teaches the format. The result is saved as an HF directory so a resumed run (and
 the rollout server) starts from it without redoing the fit.
@@ -9,6 +9,7 @@ the rollout server) starts from it without redoing the fit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -20,26 +21,32 @@ from tqdm import tqdm
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import ToolExecutor
-from cleaner_jax.trajectory import to_batch
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.toy import task as toy_task
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import qwen
+from cleaner_jax.rl.batch import from_trajectories
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
-from cleaner_jax.wiring import toy_problems
+from cleaner_jax.toy import task as toy_task
 
 log = logging.getLogger(__name__)
 
 
 async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent: AgentConfig,
                                  problems: list[Problem], error_rate: float, seed: int):
-    """Raw teacher trajectories (failed first attempts and their recovery included)."""
+    """Raw teacher trajectories (failed first attempts and their recovery included).
+
+    Only their raw token buffers are imitated, so no spliced span needs re-scoring: the teacher
+    runs with SAAR's recompute log-prob mode whatever the run's mode is (rollout mode would ask
+    for a rescorer that a scripted teacher does not have)."""
+    agent = dataclasses.replace(agent, saar=dataclasses.replace(agent.saar, logprob_mode="recompute"))
     rng = random.Random(seed)
-    async def one(p):
+    async def one(i, p):
         teacher = toy_task.ToyTeacher(chat.tokenizer, p, rng, error_rate)
-        return await AgentLoop(teacher, executor, chat, agent, {"temperature": 1.0}).run(p.messages)
-    episodes = await asyncio.gather(*(one(p) for p in problems))
+        # the loop's own draw (SAAR on/off) seeded per demonstration, never from the clock
+        loop_rng = random.Random(f"{seed}:{i}")
+        return await AgentLoop(teacher, executor, chat, agent, {"temperature": 1.0}, rng=loop_rng).run(p.messages)
+    episodes = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
     return [ep.raw.flatten() for ep in episodes]
 
 
@@ -47,9 +54,14 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
                executor: ToolExecutor, agent: AgentConfig, mesh) -> Path:
     """Fit `model_dir` on teacher demonstrations; write the result to `out_dir` (HF format)."""
     cfg = config.warmup_sft
-    problems = toy_problems(config, cfg.examples, seed=10_000 + config.train.seed)
+    problems = toy_task.make_problems(cfg.examples, seed=10_000 + config.train.seed,
+                                      max_operand=config.data.toy_max_operand, num_ops=config.data.toy_num_ops)
     demos = asyncio.run(teacher_demonstrations(chat, executor, agent, problems, cfg.error_rate, config.train.seed))
-    batch = to_batch(demos, pad_id=chat.tokenizer.pad_token_id or 0)
+    # advantage 1 on every row: the NLL loss imitates every demonstration token. The teacher's
+    # log-probs are not a policy's, so no rollout log-probs (and no gap metrics) are passed.
+    # One width for every step: a single compile.
+    batch = dataclasses.replace(from_trajectories(demos, np.ones(len(demos), np.float32),
+                                                  pad_id=chat.tokenizer.pad_token_id or 0), rollout_logprobs=None)
     model = qwen.from_pretrained(model_dir, mesh=mesh)
     learner = Learner(model, LearnerConfig(
         loss=LossConfig(kind="nll"),
@@ -59,13 +71,7 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
     bar = tqdm(range(cfg.steps), desc="warm start (NLL on teacher demos)", unit="step")
     for _ in bar:
         rows = rng.choice(len(demos), size=cfg.batch_size, replace=False)
-        width = batch.input_ids.shape[1]  # one shape for every step: a single compile
-        metrics = learner.train_step({
-            "input_ids": batch.input_ids[rows, :width],
-            "attention_mask": batch.attention_mask[rows, :width],
-            "loss_mask": batch.loss_mask[rows, :width],
-            "advantages": np.ones(len(rows), np.float32),
-        })
+        metrics = learner.train_step(batch.rows(rows))
         bar.set_postfix(nll=f"{metrics['loss']:.3f}")
     out = qwen.save_pretrained(learner.model(), out_dir, tokenizer_from=model_dir)
     learner.close()

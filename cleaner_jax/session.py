@@ -1,0 +1,152 @@
+"""The components `train` and `evaluate` share, built once from the run config.
+
+    with Session(config, model_dir) as s:          # sandbox, scorer, executor, tokenizer, chat
+        ...                                         # (train: warm start, learner, restore)
+        s.start_rollout(serve_dir)                  # rollout backend + client + collector
+        s.run(s.collector.collect(problems, n, sampling, seed=0))
+
+Construction is in two phases because the trainer needs the chat format and the sandbox
+(for the warm start) before it knows which weights the rollout server must serve. Everything
+is closed in reverse order on exit, on error too. Also here: the start-up helpers that only the
+entry points need (the model directory of a run, the device mesh, the rollout backend).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+from transformers import AutoTokenizer
+
+from cleaner_jax.agent.collect import Collector
+from cleaner_jax.agent.tools import SandboxExecutor
+from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
+from cleaner_jax.models import sharding
+from cleaner_jax.rewards.scorer import Scorer
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.tools.sandbox import Sandbox
+from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
+from cleaner_jax.wiring import agent_config, scorer_options
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Session:
+    """Owns one run's shared resources; a context manager.
+
+    On enter: an event loop (the client's HTTP session is bound to it), the sandbox pool, the
+    scorer, the tool executor, the tokenizer of `model_dir`, the chat format and the agent
+    config. `start_rollout` adds the rollout backend, its client and the episode collector.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, model_dir: Path) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self._stack = contextlib.ExitStack()
+        self._client: SGLangClient | None = None
+        self._collector: Collector | None = None
+
+    def __enter__(self) -> Session:
+        c = self.config
+        with contextlib.ExitStack() as stack:  # closes what was opened if a later piece fails
+            self.loop = asyncio.new_event_loop()
+            stack.callback(self.loop.close)
+            self.sandbox = stack.enter_context(Sandbox(workers=c.sandbox.workers, timeout_s=c.sandbox.timeout_s,
+                                                       memory_mb=c.sandbox.memory_mb))
+            self.scorer = stack.enter_context(Scorer(self.sandbox, **scorer_options(c)))
+            self.executor = SandboxExecutor(self.sandbox, observation_mode=c.agent.observation_mode,
+                                            max_chars=c.agent.observation_max_chars)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
+            self.chat = ChatFormat(self.tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
+            self.agent = agent_config(c)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def start_rollout(self, serve_dir: Path) -> Collector:
+        """Start the rollout backend serving `serve_dir` and build the collector on it. In SAAR's
+        rollout log-prob mode each trajectory's spliced spans are re-scored on its own server."""
+        if self._collector is not None:
+            raise RuntimeError("Session.start_rollout: the rollout backend is already started")
+        c = self.config
+        vocab_size = json.loads((serve_dir / "config.json").read_text())["vocab_size"]  # the model's, not the tokenizer's
+        client = self._stack.enter_context(rollout_backend(c, serve_dir, vocab_size))
+        self._stack.callback(lambda: self.loop.run_until_complete(client.close()))
+        rescorer_for = client.session if c.saar.enable and c.saar.logprob_mode == "rollout" else None
+        self._client = client
+        self._collector = Collector(client.session, self.executor, self.chat, self.agent, self.scorer,
+                                    rescorer_for=rescorer_for)
+        return self._collector
+
+    @property
+    def client(self) -> SGLangClient:
+        if self._client is None:
+            raise RuntimeError("Session.client: call start_rollout(model_dir) first")
+        return self._client
+
+    @property
+    def collector(self) -> Collector:
+        if self._collector is None:
+            raise RuntimeError("Session.collector: call start_rollout(model_dir) first")
+        return self._collector
+
+    def run(self, awaitable: Awaitable[T]) -> T:
+        """Run a coroutine on the session's event loop (the one the client is bound to)."""
+        return self.loop.run_until_complete(awaitable)
+
+
+def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
+    """The HF directory the run starts from: `model.path`, or a random tiny checkpoint
+    (toy run) written once into the workdir and reused on resume."""
+    if not config.model.tiny_init:
+        return Path(config.model.path).resolve()
+    out = workdir / "init_model"
+    if not (out / "config.json").exists():
+        h, layers = config.model.tiny_hidden_size, config.model.tiny_num_layers
+        make_tiny_checkpoint(out, config.model.tiny_family, seed=config.train.seed, hidden_size=h,
+                             intermediate_size=2 * h, num_hidden_layers=layers, max_window_layers=layers,
+                             vocab_size=512, max_position_embeddings=4096)
+        log.info("wrote a random tiny %s checkpoint to %s", config.model.tiny_family, out)
+    return out
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
+    """An (fsdp, tp) mesh over the local devices; fsdp=-1 takes all devices left by tp."""
+    devices = jax.devices()
+    tp = config.mesh.tp
+    fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else len(devices) // tp
+    if fsdp * tp > len(devices) or fsdp * tp == 0:
+        raise ValueError(f"config.mesh: fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices, {len(devices)} available")
+    return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
+
+
+@contextlib.contextmanager
+def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_size: int) -> Iterator[SGLangClient]:
+    """An SGLang client for the run; with backend=embedded, our own server is started on a free
+    loopback port first (in the run's compute dtype, with its decode backend) and stopped
+    afterwards (on error too)."""
+    timeout = config.rollout.request_timeout_s
+    if config.rollout.backend == "sglang":
+        urls = [u.strip() for u in config.rollout.server_urls.split(",") if u.strip()]
+        yield SGLangClient(urls, timeout_s=timeout, vocab_size=vocab_size)
+        return
+    from cleaner_jax.rollout.server import start_server_in_thread  # the embedded server only
+
+    handle = start_server_in_thread(str(model_dir), host="127.0.0.1", port=0, dtype=config.model.compute_dtype,
+                                    decode_backend=config.rollout.decode_backend)
+    log.info("embedded rollout server at %s", handle.url)
+    try:
+        yield SGLangClient([handle.url], timeout_s=timeout, vocab_size=vocab_size)
+    finally:
+        handle.stop()
