@@ -29,3 +29,11 @@ def test_bad_arguments():
         pass_at_k(2, 1, 3)
     with pytest.raises(ValueError, match="c=4"):
         pass_at_k(3, 4, 1)
+
+
+def test_mean_over_problems_with_different_sample_counts_matches_enumeration():
+    """Problems keep different numbers of valid samples (infra failures are dropped)."""
+    problems = [[True, False, False, True, False], [False, False, False], [True, True, False, False]]
+    for k in (1, 2, 3):
+        by_hand = sum(brute_force(len(p), sum(p), k) for p in problems) / len(problems)
+        assert mean_pass_at_k(problems, k) == pytest.approx(by_hand, abs=1e-12)

@@ -1,6 +1,6 @@
 """Multiple-choice (GPQA) reward.
 
-The authors score GPQA with the math scorer (research/open_cleaner.md §5): the last
+The authors score GPQA with the math scorer (docs/authors.md §5): the last
 `\\boxed{}` within the final 100 characters must equal the gold letter exactly, ±1
 (`faithful`). `lenient` (a deviation, opt-in) also accepts `\\boxed{(B)}`, `\\boxed{\\text{B}}`,
 `\\boxed{B)}` and surrounding spaces, still requiring a single letter in the same window.

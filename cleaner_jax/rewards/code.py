@@ -1,6 +1,6 @@
 """Code rewards: the fraction of tests a submitted ```python block passes, run in the Sandbox.
 
-The authors' scorer (research/open_cleaner.md §5, `code_math.compute_score`):
+The authors' scorer (docs/authors.md §5, `code_math.compute_score`):
 - If the completion contains `</think>`, only `completion.split("</think>")[1]` is searched
   (their bug for multi-turn thinking output; `think_split="last"` uses the text after the last
   `</think>` instead). The last ```` ```python\\n ... ``` ```` block is the solution; none, or
@@ -14,10 +14,13 @@ The authors' scorer (research/open_cleaner.md §5, `code_math.compute_score`):
   `class Solution` in the code, the named function is moved into a `class Solution` (no call
   harness, as the authors did; such tests normally fail).
 Score = passed / total in [0, 1]; `acc` = all passed. Test programs run in the Sandbox's
-"script" mode (the authors' judge ran them as plain files). Two more ground-truth forms for the
-shipped data: `{tests: [{input, output}], entry_point[, import_prefix]}` (one program per
-pair: `assert <entry_point>(<input>) == (<output>)`) and `{test, entry_point[,
-import_prefix]}` (the whole checker as one program, HumanEval's canonical protocol).
+"script" mode (the authors' judge ran them as plain files). Two more ground-truth forms:
+`{tests: [{input, output}], entry_point[, import_prefix]}` (one program per pair:
+`assert <entry_point>(<input>) == (<output>)`) and `{test, entry_point[, import_prefix]}` (the
+whole checker as one program, HumanEval's canonical protocol, which data/humaneval problems
+use; data/leetcode problems use the authors' LeetCode form). LiveCodeBench ground truth
+(`{"judge": "livecodebench", ...}`) is judged by `rewards/livecodebench.py` with LiveCodeBench's
+rules; this module refuses it. `score_programs` (run the programs, count the passes) is shared.
 
 Any test that came back with status "infra" makes the whole reward an infra error (NaN score),
 never a 0.
@@ -28,10 +31,11 @@ import ast
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from cleaner_jax.rewards.result import RewardResult
-from cleaner_jax.tools.sandbox import Sandbox
+from cleaner_jax.tools.sandbox import ExecResult, Sandbox
 
 THINK_SPLITS = ("faithful", "last")
 _PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
@@ -86,6 +90,9 @@ def _solution_class(code: str, fn_name: str) -> str:
 
 def build_test_programs(solution: str, gt: dict[str, Any]) -> list[TestProgram]:
     """One program per test, for any of the four ground-truth forms (see module docstring)."""
+    if "judge" in gt:
+        raise ValueError(f"ground truth for the {gt['judge']!r} judge: score it with "
+                         "cleaner_jax.rewards.livecodebench.lcb_score (the Scorer routes it)")
     prefix = gt.get("import_prefix", "")
     if "import_prefix" in gt and "test_code" in gt:
         lines = [line for line in gt["test_code"].split("\n") if line != ""]
@@ -111,14 +118,22 @@ def build_test_programs(solution: str, gt: dict[str, Any]) -> list[TestProgram]:
 
 def code_score(completion: str, ground_truth: dict[str, Any] | str, sandbox: Sandbox,
                think_split: str = "faithful") -> RewardResult:
+    solution, failed = checked_solution(completion, think_split)
+    if failed is not None:
+        return failed
+    return run_tests(solution, parse_ground_truth(ground_truth), sandbox)
+
+
+def checked_solution(completion: str, think_split: str) -> tuple[str, RewardResult | None]:
+    """(solution, None), or ("", the authors' -1) when there is no block or it does not parse."""
     solution = extract_solution(completion, think_split)
     if solution is None:
-        return RewardResult(score=-1.0, detail="no ```python block", pred=None)
+        return "", RewardResult(score=-1.0, detail="no ```python block", pred=None)
     try:
         ast.parse(solution)
     except SyntaxError as e:
-        return RewardResult(score=-1.0, detail=f"syntax error: {e}", pred=None)
-    return run_tests(solution, parse_ground_truth(ground_truth), sandbox)
+        return "", RewardResult(score=-1.0, detail=f"syntax error: {e}", pred=None)
+    return solution, None
 
 
 def run_tests(solution: str, gt: dict[str, Any], sandbox: Sandbox) -> RewardResult:
@@ -126,23 +141,37 @@ def run_tests(solution: str, gt: dict[str, Any], sandbox: Sandbox) -> RewardResu
     programs = build_test_programs(solution, gt)
     if not programs:
         raise ValueError(f"code ground truth with keys {sorted(gt)} holds no tests")
+    return score_programs(programs, sandbox, solution, authors_passed)
+
+
+def authors_passed(program: TestProgram, result: ExecResult) -> bool:
+    """The authors' judge: exit status 0 and, for stdin tests, `stdout.strip() == expected.strip()`."""
+    return result.status == "ok" and (program.expected_stdout is None
+                                      or result.stdout.strip() == program.expected_stdout.strip())
+
+
+def score_programs(programs: list[TestProgram], sandbox: Sandbox, solution: str,
+                   passed: Callable[[TestProgram, ExecResult], bool]) -> RewardResult:
+    """Run every test program (one sandbox call each, so each has the sandbox's own time
+    limit) and score passed / total; any infra failure makes the reward an infra error."""
+    if not programs:
+        raise ValueError("the code ground truth holds no tests")
     results = sandbox.run_batch([p.code for p in programs], [p.stdin for p in programs],
                                 mode="script")
     infra = [r for r in results if r.status == "infra"]
     if infra:
         return RewardResult.infra(f"{len(infra)}/{len(results)} test runs failed in the "
                                   f"sandbox: {infra[0].stderr[:200]}", pred=solution)
-    passed = 0
+    n_passed = 0
     first_failure = ""
     for p, r in zip(programs, results):
-        ok = r.status == "ok" and (p.expected_stdout is None
-                                   or r.stdout.strip() == p.expected_stdout.strip())
-        passed += ok
+        ok = passed(p, r)
+        n_passed += ok
         if not ok and not first_failure:
             first_failure = f"; first failure: {r.status} {r.error_type or 'wrong output'}"
     total = len(programs)
-    return RewardResult(score=passed / total, detail=f"{passed}/{total} tests passed"
-                        + first_failure, acc=passed == total, pred=solution)
+    return RewardResult(score=n_passed / total, detail=f"{n_passed}/{total} tests passed"
+                        + first_failure, acc=n_passed == total, pred=solution)
 
 
 def humaneval_ground_truth(row: dict[str, Any]) -> dict[str, Any]:

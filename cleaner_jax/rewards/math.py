@@ -1,6 +1,6 @@
 """Math rewards: the authors' strict boxed-answer rule, and a math-verify equivalence mode.
 
-Strict rule (verl `math_dapo.compute_score(strict_box_verify=True)`, research/open_cleaner.md
+Strict rule (verl `math_dapo.compute_score(strict_box_verify=True)`, docs/authors.md
 §5): take the response's last 100 characters, find the last `\\boxed{` there and its balanced
 closing brace; the prediction is the text inside; correct iff it equals the ground truth as a
 raw string (no normalisation, no stripping: `025` is not `25`). Score +1 / -1.
@@ -23,7 +23,7 @@ import threading
 import time
 
 from cleaner_jax.rewards.result import RewardResult
-from cleaner_jax.tools._forkserver import recv_exact, send_msg
+from cleaner_jax.tools._framing import recv_exact, send_msg
 
 log = logging.getLogger(__name__)
 
