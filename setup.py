@@ -25,6 +25,7 @@ INSTALL_REQUIRES = [
     "psutil==7.2.2",
     "Jinja2==3.1.6",
     "pyarrow==26.0.1",  # Open-AgentRL-style parquet training data
+    "json_repair>=0.40,<1",  # the authors' tool-call JSON parser (agent.tool_call_parser="json_repair")
 ]
 
 EXTRAS_REQUIRE = {
@@ -33,8 +34,13 @@ EXTRAS_REQUIRE = {
     "dev": [
         "pytest==9.2.0",
         "pytest-timeout==2.4.0",
+        "import-linter>=2.1,<3",  # the folder layering in .importlinter (tests/test_architecture.py)
         "hypothesis==6.170.17",
+        "scipy>=1.11,<2",  # independent reference of the bootstrap interval (tests/test_eval_metrics.py); jax needs it too
         "torch==2.13.0",
+        # drives Debian's chromium (/usr/bin/chromium, installed by .ci/run) in tests/test_viz_browser.py;
+        # it never downloads a browser of its own (the test passes executable_path)
+        "playwright>=1.45,<2",
     ],
 }
 
@@ -44,7 +50,8 @@ setup(
     description="CLEANER (SAAR-purified agentic RL) for Qwen2/Qwen3 in JAX/Flax NNX",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["cleaner_jax", "cleaner_jax.*"]),
-    package_data={"cleaner_jax.models": ["csrc/*.cc"]},  # compiled on first use (models/cpu_kernels.py)
+    package_data={"cleaner_jax.rollout": ["csrc/*.cc"],  # compiled on first use (rollout/cpu_kernels.py)
+                  "cleaner_jax.viz": ["static/*.html", "static/*.js", "static/*.css"]},  # the trajectory viewer
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

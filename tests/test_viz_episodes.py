@@ -62,3 +62,21 @@ def test_viewer_puts_the_error_on_the_raw_side_only(teacher_episodes):
     raw_part, purified_part = page.split("<h4>purified (trained on)</h4>")
     assert "Tool call failure" in raw_part and "Tool call failure" not in purified_part
     assert "recovered" in page and 'class="spliced"' in purified_part
+
+
+def test_static_page_marks_only_the_call_of_a_shallow_splice(tmp_path):
+    """A shallow splice keeps the turn's reasoning: only the regenerated call is marked spliced."""
+    import html
+    import re
+
+    from _viz_common import scripted_step
+    from cleaner_jax.agent.scripted import code_call
+
+    tok = build_tokenizer(tmp_path, "qwen3")
+    shallow = scripted_step(tok).scored[0].episode
+    page = render_episodes([shallow], lambda ids: tok.decode(list(ids)))
+    purified_part = page.split("<h4>purified (trained on)</h4>")[1]
+    marked = re.findall(r'<span class="spliced">(.*?)</span>', purified_part, flags=re.S)
+    call = tok.decode(tok.encode(code_call("print(1+2)"), add_special_tokens=False) + [tok.eos_token_id])
+    assert marked == [html.escape(call)]
+    assert html.escape("Let me compute. ") + '<span class="spliced">' in purified_part

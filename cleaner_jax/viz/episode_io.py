@@ -2,8 +2,12 @@
 
 Only the raw record is stored (plus events, stats and rewards); loading rebuilds the purified
 trajectory with `saar.purify`, so a dump can never disagree with the purification rules, and
-an old dump can be re-purified after a rule changes. One file per training step:
-`<workdir>/trajectories/step_000012.jsonl`.
+an old dump can be re-purified after a rule changes. `episode_to_dict`/`episode_from_dict` are
+also the evaluation records' codec (`eval/records.py`).
+
+The training run's dumps are format 2 (`viz/dumps.py`: `step_000012.jsonl.gz`, these fields plus
+what the viewer shows); `write_scored_episodes`/`read_episodes` are format 1
+(`step_000012.jsonl`, raw records only), which `viz.dumps.read_step` still reads.
 """
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, Segment, ToolStats
 from cleaner_jax.saar.purify import purify
+from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, ScoredEpisode, Segment, ToolStats
 
 
 def episode_to_dict(ep: Episode, **extra: Any) -> dict[str, Any]:
@@ -55,6 +59,15 @@ def write_episodes(path: str | Path, episodes: Sequence[Episode], extras: Sequen
         for ep, extra in zip(episodes, extras):
             f.write(json.dumps(episode_to_dict(ep, **extra)) + "\n")
     return p
+
+
+def write_scored_episodes(path: str | Path, scored: Sequence[ScoredEpisode]) -> Path:
+    """One step's dump: every episode that has a record (failed rollouts have none) with its
+    problem uid, group, score, acc and the verifier's reason."""
+    rows = [s for s in scored if s.episode is not None]
+    return write_episodes(path, [s.episode for s in rows],
+                          [{"uid": s.uid, "group": s.group, "score": s.score, "acc": s.acc,
+                            "reward_detail": s.reward_detail} for s in rows])
 
 
 def read_episodes(path: str | Path) -> Iterable[tuple[Episode, dict[str, Any]]]:

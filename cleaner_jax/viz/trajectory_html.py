@@ -2,7 +2,8 @@
 
 Left column: the raw record (every turn and observation as it happened, failed attempts and
 the error feedback included); right column: the purified trajectory the learner trains on,
-with spliced tokens highlighted. Reading a handful of these is the fastest way to check that
+with spliced tokens highlighted. `viz/viewer.py` + `viz/serve.py` are the interactive viewer (per-token
+mask, advantage and log-probs); this module stays for notebooks that want one static page. Reading a handful of these is the fastest way to check that
 purification does what the paper says, and to see what the model actually writes.
 """
 from __future__ import annotations
@@ -50,14 +51,23 @@ def _raw_column(ep: Episode, decode: Decode) -> str:
 
 
 def _purified_column(ep: Episode, decode: Decode) -> str:
+    """Spliced tokens are marked per token (`Trajectory.spliced`), not per segment: a shallow
+    splice keeps the turn's original reasoning, which must not show as spliced."""
     t = ep.purified
     parts = []
     for span in t.segments:
-        ids = t.response_ids[span.start : span.end].tolist()
-        spliced = bool(t.spliced[span.start : span.end].any())
-        cls = "spliced" if spliced else ("turn" if span.kind == "turn" else "obs")
-        tag = f"{span.kind} {span.turn}" + (f" [spliced: {span.spliced}]" if spliced else "")
-        parts.append(_block(cls, tag, decode(ids)))
+        flags = t.spliced[span.start : span.end]
+        runs, k = [], span.start
+        while k < span.end:  # maximal runs of equal spliced flag
+            j = k
+            while j < span.end and t.spliced[j] == t.spliced[k]:
+                j += 1
+            text = html.escape(decode(t.response_ids[k:j].tolist()))
+            runs.append(f'<span class="spliced">{text}</span>' if t.spliced[k] else text)
+            k = j
+        cls = "turn" if span.kind == "turn" else "obs"
+        tag = f"{span.kind} {span.turn}" + (f" [spliced: {span.spliced}]" if flags.any() else "")
+        parts.append(f'<div class="tag">{html.escape(tag)}</div><pre class="{cls}">{"".join(runs)}</pre>')
     return "".join(parts)
 
 

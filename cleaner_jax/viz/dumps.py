@@ -1,0 +1,226 @@
+"""Trajectory dumps, format 2: what the viewer needs, one gzip'd JSON-lines file per step.
+
+`<workdir>/trajectories/step_000012.jsonl.gz`, one line per episode of the step (failed rollouts
+included, with their error). Each line holds
+
+* the raw record's fields (`episode_io.episode_to_dict`: prompt ids, segments, events, stats,
+  ...), as in format 1, from which `read_step` rebuilds the purified trajectory with
+  `saar.purify` — so a dump can be re-purified after a rule changes (`has_episode` is False for
+  a failed rollout, which has no record);
+* `view`: what the viewer shows without a tokenizer or the package's rules: the decoded text
+  of every raw segment and its per-token pieces, and the purified trajectory as it was trained
+  on (per-token pieces, loss mask, rollout and behaviour log-probs, splice kind), the SAAR
+  events, the group advantage and the γ that decided shallow vs deep.
+
+Format 1 (`step_*.jsonl`, raw records only, written before the viewer existed) is still read by
+`read_step` (its episodes have `view=None`; the viewer needs format 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cleaner_jax.rl.step import StepConfig, group_advantages, shaped_rewards
+from cleaner_jax.trajectory import SPLICED_DEEP, SPLICED_SHALLOW, Episode, ScoredEpisode, Segment
+from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict, read_episodes
+
+FORMAT = 2
+Pieces = Callable[[Sequence[int]], list[str]]  # token ids -> one decoded string per token
+_STEP_FILE = re.compile(r"^step_(\d+)\.jsonl(\.gz)?$")
+
+
+def dump_path(workdir: str | Path, step: int) -> Path:
+    return Path(workdir) / "trajectories" / f"step_{step:06d}.jsonl.gz"
+
+
+def token_pieces(tokenizer: Any) -> Pieces:
+    """Per-token text from a Hugging Face tokenizer (special tokens kept), memoised by id: a
+    dump decodes the same few thousand ids over and over. A character split over several
+    byte-level tokens shows as U+FFFD in each piece; the segment's `text` has it whole."""
+    @functools.lru_cache(maxsize=None)
+    def one(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+    return lambda ids: [one(int(i)) for i in ids]
+
+
+def step_advantages(scored: Sequence[ScoredEpisode], cfg: StepConfig) -> np.ndarray:
+    """The group advantages `rl.step.rl_step` trains this step with ([N], 0 for invalid): the
+    same pure functions on the same inputs, so the dump needs nothing back from the step."""
+    rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
+    return group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton).advantages
+
+
+def saar_outcome(ep: Episode | None) -> str:
+    """'none' (SAAR never triggered), 'recovered' (every failing position recovered) or 'failed'."""
+    if ep is None or not ep.events:
+        return "none"
+    return "recovered" if all(e.outcome == "recovered" for e in ep.events) else "failed"
+
+
+def _floats(a: Sequence[float] | np.ndarray) -> list[float]:
+    return [float(x) for x in np.asarray(a, dtype=np.float32)]  # float32 -> double is exact
+
+
+def _regeneration_after(segs: Sequence[Segment], k: int) -> Segment:
+    """The SAAR regeneration that answers the feedback observation `segs[k]`."""
+    for s in segs[k + 1:]:
+        if s.kind == "turn":
+            if s.attempt == 0:
+                break
+            return s
+    raise ValueError(f"raw segment {k} (turn {segs[k].turn}): error feedback that no regeneration answered")
+
+
+def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> dict[str, Any]:
+    """The viewer's part of a dump line (see the module docstring)."""
+    raw = []
+    segs = ep.raw.segments
+    for k, s in enumerate(segs):
+        nxt = segs[k + 1] if k + 1 < len(segs) else None
+        # a turn whose call failed and whose error was shown back for a retry
+        failed_attempt = s.kind == "turn" and nxt is not None and nxt.kind == "obs" and nxt.role == "feedback"
+        # what the retry answering that feedback did to it (saar/purify.py's replay rules)
+        regen = _regeneration_after(segs, k + 1) if failed_attempt else None
+        replaced_from = None  # kept_raw / discarded retries leave the failed attempt in place
+        if regen is not None and regen.splice == "shallow":
+            replaced_from = s.call_start
+        elif regen is not None and regen.splice == "deep":
+            replaced_from = 0
+        erased = ((s.kind == "obs" and (s.role == "unappended" or (
+                      s.role == "feedback" and _regeneration_after(segs, k).splice != "kept_raw")))
+                  or s.splice == "discarded")
+        raw.append({
+            "kind": s.kind, "turn": s.turn, "attempt": s.attempt, "call_start": s.call_start, "splice": s.splice,
+            "similarity": s.similarity, "role": s.role, "tool_failed": s.tool_failed, "error_label": s.error_label,
+            "infra": s.infra, "failed_attempt": failed_attempt,
+            "replaced_by": None if regen is None else regen.splice,  # shallow / deep / kept_raw / discarded
+            "replaced_from": replaced_from,  # tokens [replaced_from:] of this turn are not in the purified one
+            "erased": erased,
+            "text": s.text if s.text is not None else decode(list(s.token_ids)),
+            "pieces": pieces(s.token_ids),
+            "logprobs": None if s.logprobs is None else _floats(s.logprobs),
+        })
+    t = ep.purified
+    return {
+        "prompt_text": decode(list(ep.raw.prompt_ids)),
+        "raw": raw,
+        "purified": {
+            "ids": t.response_ids.tolist(),
+            "pieces": pieces(t.response_ids.tolist()),
+            "loss_mask": t.loss_mask.tolist(),
+            "rollout_logprobs": _floats(t.rollout_logprobs),
+            "behaviour_logprobs": _floats(t.behaviour_logprobs),
+            "splice_kind": t.splice_kind.tolist(),
+            "truncated": t.truncated,
+            "segments": [dataclasses.asdict(s) for s in t.segments],
+        },
+        "events": [dataclasses.asdict(e) for e in ep.events],
+    }
+
+
+def step_records(step: int, scored: Sequence[ScoredEpisode], advantages: Sequence[float], gamma: float,
+                 pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> list[dict[str, Any]]:
+    if len(advantages) != len(scored):
+        raise ValueError(f"step_records: {len(advantages)} advantages for {len(scored)} episodes")
+    out = []
+    for i, (s, adv) in enumerate(zip(scored, advantages)):
+        ep = s.episode
+        kinds = set() if ep is None else set(ep.purified.splice_kind.tolist())
+        labels = set() if ep is None else {lab for e in ep.events for lab in e.error_labels} | {
+            seg.error_label for seg in ep.raw.segments if seg.error_label}
+        out.append({
+            "format": FORMAT, "step": step, "index": i, "uid": s.uid, "group": s.group,
+            "score": None if not np.isfinite(s.score) else float(s.score), "acc": bool(s.acc),
+            "reward_detail": s.reward_detail, "error": s.error, "advantage": float(adv), "gamma": float(gamma),
+            "termination": None if ep is None else ep.termination,
+            "saar_outcome": saar_outcome(ep),
+            "splice_kinds": [n for c, n in ((SPLICED_SHALLOW, "shallow"), (SPLICED_DEEP, "deep")) if c in kinds],
+            "error_types": sorted(labels),
+            "has_episode": ep is not None,
+            "view": None if ep is None else episode_view(ep, pieces, decode),
+            **({} if ep is None else episode_to_dict(ep)),
+        })
+    return out
+
+
+def write_step(workdir: str | Path, step: int, scored: Sequence[ScoredEpisode], *, advantages: Sequence[float],
+               gamma: float, pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> Path:
+    """One step's dump (format 2), written whole to a temporary name and then renamed, so a
+    reader (the live viewer) never sees half a file."""
+    path = dump_path(workdir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        for rec in step_records(step, scored, advantages, gamma, pieces, decode):
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(path)
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpedEpisode:
+    """One dumped episode: the rebuilt `episode` (None for a failed rollout), the stored line."""
+
+    step: int
+    index: int
+    uid: str
+    score: float | None
+    acc: bool
+    error: str | None
+    advantage: float | None  # None in format-1 dumps
+    episode: Episode | None
+    view: dict[str, Any] | None  # None in format-1 dumps
+    line: dict[str, Any]
+
+
+def list_steps(workdir: str | Path) -> list[int]:
+    """Steps with a dump under `<workdir>/trajectories/` (either format), ascending."""
+    d = Path(workdir) / "trajectories"
+    if not d.is_dir():
+        raise FileNotFoundError(f"no trajectory dumps: {d} does not exist (run with train.dump_trajectories=True)")
+    return sorted({int(m.group(1)) for p in d.iterdir() if (m := _STEP_FILE.match(p.name))})
+
+
+def read_lines(workdir: str | Path, step: int) -> list[dict[str, Any]] | None:
+    """The stored lines of a format-2 dump as they are (no purification: what the viewer
+    serves); None when the step has only a format-1 dump."""
+    path = dump_path(workdir, step)
+    if not path.exists():
+        if path.with_name(f"step_{step:06d}.jsonl").exists():
+            return None
+        raise FileNotFoundError(f"no dump of step {step} under {path.parent} (have steps {list_steps(workdir)})")
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line_no, text in enumerate(f, 1):
+            d = json.loads(text)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"{path}:{line_no}: dump format {d.get('format')!r}, this reader reads {FORMAT}")
+            out.append(d)
+    return out
+
+
+def read_step(workdir: str | Path, step: int) -> list[DumpedEpisode]:
+    """One step's episodes, the purified trajectories rebuilt from the raw records."""
+    lines = read_lines(workdir, step)
+    if lines is not None:
+        out = []
+        for d in lines:
+            try:
+                ep = episode_from_dict(d) if d["has_episode"] else None
+            except (TypeError, ValueError, KeyError) as err:
+                raise ValueError(f"{dump_path(workdir, step)}: episode {d['index']}: not a valid episode record "
+                                 f"({err})") from err
+            out.append(DumpedEpisode(d["step"], d["index"], d["uid"], d["score"], d["acc"], d["error"],
+                                     d["advantage"], ep, d["view"], d))
+        return out
+    legacy = dump_path(workdir, step).with_name(f"step_{step:06d}.jsonl")  # format 1: written by write_scored_episodes
+    return [DumpedEpisode(step, i, d["uid"], d["score"], d["acc"], None, None, ep, None, d)
+            for i, (ep, d) in enumerate(read_episodes(legacy))]

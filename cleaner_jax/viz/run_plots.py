@@ -1,0 +1,102 @@
+"""The end-of-run plots: one PNG per question a researcher asks first, under `<workdir>/plots/`.
+
+They are drawn from `<workdir>/tb/metrics.jsonl`, the JSON-lines copy of exactly the scalars
+TensorBoard shows (`rl/metrics_writer.py`; the last row of a step wins, as a resumed run re-logs
+the steps after its checkpoint). A plot whose scalars a run never wrote (SAAR off, no tool
+calls, an older run) is skipped with a logged note: plotting must not fail the end of a run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+log = logging.getLogger("cleaner_jax.viz.run_plots")
+
+# file name -> (title, y label, [(scalar, legend label, transform)]); transform "error_rate":
+# 1 − the success rate, left out (NaN) at steps without any tool call, where the rate is 0/0
+# (saar.metrics writes 0 there, which is not a 100 % error rate).
+PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
+    "reward.png": ("reward (shaped, mean over valid episodes)", "reward", [("reward/mean", "reward/mean", "")]),
+    "accuracy.png": ("accuracy (exact match / all tests passed)", "accuracy", [("reward/acc", "reward/acc", "")]),
+    "tool_error_rate.png": ("tool error rate", "rate", [
+        ("tool_calls/success_rate", "first attempt: 1 − tool_calls/success_rate", "error_rate"),
+        ("tool/raw_error_rate", "every execution: tool/raw_error_rate", "")]),
+    "saar_recovery.png": ("SAAR recovery rate", "recovered / triggered",
+                          [("rollback/global_recovery_rate", "rollback/global_recovery_rate", "")]),
+    "splice_share.png": ("share of trained tokens spliced by SAAR", "fraction", [
+        ("splice/token_frac", "all", ""), ("splice/shallow/token_frac", "shallow", ""),
+        ("splice/deep/token_frac", "deep", "")]),
+    "logprob_gap.png": ("rollout vs learner log-prob gap (sum |Δ| / token)", "mean |log p_learner − log p_rollout|", [
+        ("learner/gap/abs_diff", "not spliced: learner/gap/abs_diff", ""),
+        ("learner/gap/spliced/abs_diff", "spliced: learner/gap/spliced/abs_diff", "")]),
+    "zero_adv_groups.png": ("groups with all-zero advantages", "fraction of groups",
+                            [("adv/zero_adv_group_frac", "adv/zero_adv_group_frac", "")]),
+}
+
+
+def read_metrics(workdir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """scalar -> (steps, values) from `<workdir>/tb/metrics.jsonl` (NaN/inf kept as floats)."""
+    path = Path(workdir) / "tb" / "metrics.jsonl"
+    by_step: dict[int, dict[str, float]] = {}
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "step" not in row:
+            raise ValueError(f"{path}:{line_no}: a metrics row without 'step'")
+        by_step.setdefault(int(row["step"]), {}).update(
+            {k: float(v) for k, v in row.items() if k != "step"})  # float("nan") reads the writer's "nan"
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for step in sorted(by_step):
+        for k, v in by_step[step].items():
+            out.setdefault(k, ([], []))
+            out[k][0].append(step)
+            out[k][1].append(v)
+    return out
+
+
+def _error_rate(scalars: dict[str, tuple[list[int], list[float]]], steps: list[int], success: list[float]) -> list[float]:
+    if "tool_calls/total_attempts" not in scalars:  # both come from saar.metrics; an older run may lack it
+        log.info("tool_calls/total_attempts missing: first-attempt error rate plotted at every step, 0/0 included")
+        return [1.0 - v for v in success]
+    calls = dict(zip(*scalars["tool_calls/total_attempts"]))
+    return [1.0 - v if s in calls and calls[s] > 0 else math.nan for s, v in zip(steps, success)]
+
+
+def plot_run(workdir: str | Path) -> list[Path]:
+    """Draw every plot of `PLOTS` whose scalars the run wrote; returns the files written."""
+    workdir = Path(workdir)
+    scalars = read_metrics(workdir)
+    out_dir = workdir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (title, ylabel, curves) in PLOTS.items():
+        present = [c for c in curves if c[0] in scalars and any(math.isfinite(v) for v in scalars[c[0]][1])]
+        if not present:
+            log.info("plot %s skipped: the run wrote none of %s", name, [c[0] for c in curves])
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for tag, label, transform in present:
+            steps, values = scalars[tag]
+            ys = _error_rate(scalars, steps, values) if transform == "error_rate" else values
+            ax.plot(steps, ys, marker="o", ms=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+    log.info("wrote %d plots under %s", len(written), out_dir)
+    return written

@@ -1,0 +1,99 @@
+"""Serve a run's trajectory dumps to a browser, or export them as one HTML file.
+
+    python -m cleaner_jax.viz.serve --workdir runs/toy [--port 8765] [--host 127.0.0.1]
+    python -m cleaner_jax.viz.serve --workdir runs/toy --export runs/toy/trajectories.html
+
+The server binds the loopback interface unless told otherwise (dumps hold the model's outputs
+and the training data), reads the dumps afresh on every request (a live run's new steps show up
+on reload) and serves only its own static files and JSON: `/`, `/app.js`, `/style.css`,
+`/api/index.json`, `/api/step/<N>.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from cleaner_jax.viz.viewer import STATIC, export_html, page, viewer_index, viewer_step
+
+_STATIC_TYPES = {"/app.js": ("app.js", "text/javascript"), "/style.css": ("style.css", "text/css")}
+_STEP = re.compile(r"^/api/step/(\d+)\.json$")
+
+
+def make_server(workdir: str | Path, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+    """A server for `workdir` (port 0: the OS picks a free one; see `server.server_address`)."""
+    workdir = Path(workdir)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/index.html"):
+                return self._send(page().encode(), "text/html; charset=utf-8")
+            if path in _STATIC_TYPES:
+                name, ctype = _STATIC_TYPES[path]
+                return self._send((STATIC / name).read_bytes(), f"{ctype}; charset=utf-8")
+            if path == "/api/index.json":
+                return self._json(viewer_index(workdir))
+            if m := _STEP.match(path):
+                step = int(m.group(1))
+                try:
+                    return self._json(viewer_step(workdir, step))
+                except (FileNotFoundError, ValueError) as err:  # no such step / an old-format dump: say which
+                    return self.send_error(HTTPStatus.NOT_FOUND, str(err))
+            self.send_error(HTTPStatus.NOT_FOUND, f"no such page: {path}")
+
+        def _json(self, obj: object) -> None:
+            self._send(json.dumps(obj).encode(), "application/json")
+
+        def _send(self, body: bytes, ctype: str) -> None:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt: str, *args: object) -> None:  # one short line per request, on stderr
+            sys.stderr.write(f"viz.serve: {fmt % args}\n")
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve_in_thread(workdir: str | Path, host: str = "127.0.0.1", port: int = 0) -> tuple[ThreadingHTTPServer, str]:
+    """Start a server on a daemon thread; returns it (call `.shutdown()`) and its base URL."""
+    server = make_server(workdir, host, port)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    h, p = server.server_address[:2]
+    return server, f"http://{h}:{p}/"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m cleaner_jax.viz.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True, help="the run's directory (its trajectories/ holds the dumps)")
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    ap.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed)")
+    ap.add_argument("--export", metavar="OUT.html", help="write one self-contained HTML file instead of serving")
+    args = ap.parse_args(argv)
+    if not (Path(args.workdir) / "trajectories").is_dir():
+        raise SystemExit(f"error: {args.workdir}/trajectories does not exist: not a run directory with dumps")
+    if args.export:
+        print(f"wrote {export_html(args.workdir, args.export)}")
+        return
+    server = make_server(args.workdir, args.host, args.port)
+    h, p = server.server_address[:2]
+    print(f"serving {args.workdir} on http://{h}:{p}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()

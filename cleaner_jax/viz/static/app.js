@@ -1,0 +1,238 @@
+// The trajectory viewer: a list of dumped episodes with filters, and one episode's raw and
+// purified versions side by side, token by token. Data comes from an inlined JSON blob (the
+// export) or from the server's api/ (viz/serve.py); see cleaner_jax/viz/dumps.py for the fields.
+"use strict";
+
+const SPLICE_NAMES = { 1: "shallow", 2: "deep" };
+const REPLACED = {  // what the retry did to a failed attempt (struck-through tokens are not trained on)
+  shallow: "its call is replaced by the retry's", deep: "replaced whole by the retry",
+  kept_raw: "kept, the retry follows it with the error in view", discarded: "kept, the retry was dropped at the turn cap",
+};
+const inlined = document.getElementById("dump-data");
+const EXPORT = inlined ? JSON.parse(inlined.textContent) : null;
+const stepCache = {};
+
+async function loadIndex() {
+  if (EXPORT) return EXPORT.index;
+  const r = await fetch("api/index.json");
+  if (!r.ok) throw new Error(`api/index.json: ${r.status}`);
+  return r.json();
+}
+
+async function loadStep(step) {
+  if (EXPORT) return EXPORT.steps[String(step)];
+  if (!stepCache[step]) {
+    const r = await fetch(`api/step/${step}.json`);
+    if (!r.ok) throw new Error(`api/step/${step}.json: ${r.status}`);
+    stepCache[step] = await r.json();
+  }
+  return stepCache[step];
+}
+
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") e.className = v;
+    else if (k === "text") e.textContent = v;
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c);
+  return e;
+}
+
+const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+
+// ---- list page
+
+function saarLabel(row) { return row.saar_outcome; }
+function spliceLabel(row) { return row.splice_kinds.length ? row.splice_kinds.join(", ") : "none"; }
+
+function readFilters() {
+  const v = id => document.getElementById(id).value;
+  return { step: v("f-step"), rmin: v("f-reward-min"), rmax: v("f-reward-max"), correct: v("f-correct"),
+           saar: v("f-saar"), splice: v("f-splice"), error: v("f-error") };
+}
+
+function keep(row, f) {
+  if (f.step !== "" && String(row.step) !== f.step) return false;
+  if (f.rmin !== "" && !(row.score !== null && row.score >= Number(f.rmin))) return false;
+  if (f.rmax !== "" && !(row.score !== null && row.score <= Number(f.rmax))) return false;
+  if (f.correct === "yes" && !row.acc) return false;
+  if (f.correct === "no" && row.acc) return false;
+  if (f.saar !== "" && row.saar_outcome !== f.saar) return false;
+  if (f.splice === "none" && row.splice_kinds.length) return false;
+  if (f.splice !== "" && f.splice !== "none" && !row.splice_kinds.includes(f.splice)) return false;
+  if (f.error === "none" && row.error_types.length) return false;
+  if (f.error !== "" && f.error !== "none" && !row.error_types.includes(f.error)) return false;
+  return true;
+}
+
+function renderList(index) {
+  const f = readFilters();
+  const rows = index.rows.filter(r => keep(r, f));
+  const body = document.querySelector("#episodes tbody");
+  body.replaceChildren(...rows.map(r => {
+    const tr = el("tr", { "data-step": r.step, "data-index": r.index },
+      el("td", { text: r.step }), el("td", { text: r.index }), el("td", { text: r.uid }),
+      el("td", { text: r.error ? "invalid" : fmt(r.score) }), el("td", { text: r.acc ? "yes" : "no" }),
+      el("td", { text: fmt(r.advantage) }), el("td", { text: saarLabel(r) }), el("td", { text: spliceLabel(r) }),
+      el("td", { text: r.error ? r.error : r.error_types.join(", ") }), el("td", { text: r.termination || "–" }),
+      el("td", { text: r.tokens }));
+    tr.addEventListener("click", () => { location.hash = `#ep=${r.step}:${r.index}`; });
+    return tr;
+  }));
+  document.getElementById("count").textContent = `${rows.length} of ${index.rows.length} trajectories`;
+}
+
+function setupFilters(index) {
+  const stepSel = document.getElementById("f-step");
+  for (const s of index.steps) stepSel.append(el("option", { value: s, text: s }));
+  const errSel = document.getElementById("f-error");
+  const labels = [...new Set(index.rows.flatMap(r => r.error_types))].sort();
+  for (const l of labels) errSel.append(el("option", { value: l, text: l }));
+  for (const e of document.querySelectorAll("#filters select, #filters input"))
+    e.addEventListener("input", () => renderList(index));
+  if (index.legacy_steps.length) {
+    const p = document.getElementById("legacy");
+    p.hidden = false;
+    p.textContent = `steps ${index.legacy_steps.join(", ")} are old-format dumps (no decoded text) and are not shown`;
+  }
+}
+
+// ---- episode page
+
+function advColour(adv) {
+  if (!adv) return "#e6e6e6";
+  const light = 92 - 24 * Math.min(1, Math.abs(adv));
+  return `hsl(${adv > 0 ? 120 : 0}, 60%, ${light}%)`;
+}
+
+function token(piece, cls, title, attrs = {}) {
+  return el("span", { class: `tok ${cls}`, title, ...attrs, text: piece });
+}
+
+function segBlock(cls, label, ...content) {
+  return el("div", { class: `seg ${cls}` }, el("div", { class: "label", text: label }),
+            el("div", { class: "text" }, ...content));
+}
+
+function decision(sim, gamma, splice) {
+  return sim === null ? splice : `similarity ${fmt(sim)} ${sim < gamma ? "<" : "≥"} γ ${fmt(gamma, 2)} → ${splice}`;
+}
+
+function rawColumn(ep) {
+  const v = ep.view;
+  const out = [el("details", { class: "seg prompt" }, el("summary", { text: "prompt" }),
+                  el("div", { class: "text", text: v.prompt_text }))];
+  for (const s of v.raw) {
+    let label, cls;
+    if (s.kind === "turn") {
+      cls = s.failed_attempt ? "failed" : "turn";
+      label = `turn ${s.turn}, attempt ${s.attempt}`;
+      if (s.attempt > 0) label += `: regeneration, ${decision(s.similarity, ep.gamma, s.splice)}`;
+      if (s.splice === "shallow") label += " (only its call is spliced in)";
+      if (s.failed_attempt) label += " — failed attempt; " + (REPLACED[s.replaced_by] || s.replaced_by);
+    } else {
+      cls = s.tool_failed ? "failed obs" : "obs";
+      label = `observation of turn ${s.turn} (${s.role}${s.error_label ? ", " + s.error_label : ""})`;
+      if (s.role === "feedback") label += " — error shown for the retry";
+    }
+    if (s.erased) { cls += " erased"; label += " — erased from the purified trajectory"; }
+    // the raw tokens a splice carried over: the call of a shallow regeneration, all of a deep one
+    const from = s.splice === "shallow" ? s.call_start : (s.splice === "deep" ? 0 : null);
+    const toks = s.pieces.map((p, i) => {
+      const sp = (from !== null && i >= from ? (s.splice === "deep" ? " sp2" : " sp1") : "") +
+                 (s.replaced_from !== null && i >= s.replaced_from ? " gone" : "");
+      const lp = s.logprobs ? `behaviour log-prob ${fmt(s.logprobs[i], 4)}` : "no log-prob (not sampled)";
+      return token(p, (s.kind === "turn" ? "m1" : "m0") + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}`);
+    });
+    out.push(segBlock(cls, label, ...toks));
+  }
+  return out;
+}
+
+function purifiedColumn(ep) {
+  const t = ep.view.purified;
+  const out = [];
+  for (const span of t.segments) {
+    const toks = [];
+    for (let i = span.start; i < span.end; i++) {
+      const m = t.loss_mask[i], k = t.splice_kind[i];
+      const cls = `m${m}` + (k ? ` sp${k}` : "");
+      const gap = t.behaviour_logprobs[i] - t.rollout_logprobs[i];
+      const title = `#${i}: ${JSON.stringify(t.pieces[i])}\nloss mask ${m}` +
+        (m ? `, advantage ${fmt(ep.advantage)}` : "") + (k ? `\nspliced (${SPLICE_NAMES[k]})` : "") +
+        (m ? `\nbehaviour log-prob ${fmt(t.behaviour_logprobs[i], 4)}\nrollout log-prob ${fmt(t.rollout_logprobs[i], 4)}` +
+             `\nbehaviour − rollout ${fmt(gap, 4)}` : "");
+      const tok = token(t.pieces[i], cls, title, { "data-i": i, "data-splice": k, "data-mask": m });
+      if (m) tok.style.setProperty("--bg", advColour(ep.advantage));
+      toks.push(tok);
+    }
+    const label = span.kind === "turn" ? `turn ${span.turn}` + (span.spliced !== "none" ? ` (spliced: ${span.spliced})` : "")
+                                       : `observation of turn ${span.turn} (${span.role})`;
+    out.push(segBlock(span.kind === "turn" ? "turn" : "obs", label, ...toks));
+  }
+  if (t.truncated) out.push(el("p", { text: "(truncated to the response budget)" }));
+  return out;
+}
+
+function eventsTable(ep) {
+  const ev = ep.view.events;
+  if (!ev.length) return [el("caption", { text: "no SAAR events" })];
+  const head = el("tr", {}, ...["turn", "attempts", "errors", "similarity vs γ → decision", "outcome",
+                                "tokens removed / inserted"].map(h => el("th", { text: h })));
+  const rows = ev.map(e => el("tr", {},
+    el("td", { text: e.turn }), el("td", { text: e.attempts }), el("td", { text: e.error_labels.join(", ") }),
+    el("td", { text: e.decisions.map((d, j) => decision(e.similarities[j], ep.gamma, d)).join("; ") }),
+    el("td", { text: e.outcome }), el("td", { text: `${e.tokens_removed} / ${e.tokens_inserted}` })));
+  return [el("caption", { text: `SAAR events (γ = ${fmt(ep.gamma, 2)})` }), head, ...rows];
+}
+
+async function showEpisode(step, index) {
+  const eps = await loadStep(step);
+  const ep = eps.find(e => e.index === index);
+  document.getElementById("ep-title").textContent = `step ${step}, episode ${index}: ${ep.uid}`;
+  document.getElementById("ep-meta").textContent =
+    `reward ${ep.error ? "invalid (" + ep.error + ")" : fmt(ep.score)} · correct ${ep.acc ? "yes" : "no"} · ` +
+    `advantage ${fmt(ep.advantage)} · ${ep.reward_detail || ""} · end: ${ep.termination || "–"} · SAAR ${ep.saar_outcome}`;
+  const raw = document.getElementById("raw"), pur = document.getElementById("purified");
+  if (!ep.view) {
+    raw.replaceChildren(el("p", { text: "no record: the rollout failed" }));
+    pur.replaceChildren();
+    document.getElementById("events").replaceChildren();
+    return;
+  }
+  document.getElementById("events").replaceChildren(...eventsTable(ep));
+  raw.replaceChildren(...rawColumn(ep));
+  pur.replaceChildren(...purifiedColumn(ep));
+}
+
+// ---- routing: "#ep=STEP:INDEX" shows an episode, anything else the list
+
+async function route(index) {
+  const m = location.hash.match(/^#ep=(\d+):(\d+)$/);
+  document.getElementById("list-page").hidden = !!m;
+  document.getElementById("episode-page").hidden = !m;
+  if (m) await showEpisode(Number(m[1]), Number(m[2]));
+  document.body.dataset.ready = m ? "episode" : "list";
+}
+
+async function main() {
+  const index = await loadIndex();
+  document.getElementById("workdir").textContent = index.workdir;
+  setupFilters(index);
+  renderList(index);
+  const colour = document.getElementById("colour");
+  const applyColour = () => {
+    for (const id of ["raw", "purified"]) document.getElementById(id).classList.toggle("colour", colour.checked);
+  };
+  colour.addEventListener("change", applyColour);
+  applyColour();
+  window.addEventListener("hashchange", () => route(index));
+  await route(index);
+}
+
+main().catch(err => {
+  document.body.dataset.ready = "error";
+  document.querySelector("main").prepend(el("pre", { class: "error", text: String(err) }));
+});
