@@ -21,16 +21,10 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.config import SECTIONS, ConfigError, RunConfig, base_config, validate
 from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
 from cleaner_jax.saar.config import SaarConfig
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if not p.stem.startswith("_"))
-
-
-def load_config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def toy():

@@ -4,7 +4,6 @@ reward keys reaching the Scorer; and every shipped benchmark loads with its refe
 scoring 1 (all math rows and a sample of code rows by default, every code row under -m slow)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from cleaner_jax.data.benchmarks import parse_eval_spec
 from cleaner_jax.data.problems import BENCHMARKS, DATA_DIR, DataError, load_benchmark
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.tools.sandbox import Sandbox
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GPQA_ROW = {"problem": "Pick the even number.\n(A) 3\n(B) 4", "solution": "B", "domain": "Physics"}
@@ -27,10 +27,7 @@ LCB_ROW = {"problem": "Print a + b.", "data_source": "LiveCodeBench_v6",
 
 
 def toy():
-    spec = importlib.util.spec_from_file_location("toy", ROOT / "configs" / "toy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config("toy")
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.data.filter import (AUTHORS_RATIOS, SHIPPED_STATS, data_category, filter_file, load_stats,
                                      provenance_path, select_rows)
 from cleaner_jax.data.problems import load_agentrl
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 72  # dataset rows; row i: pass rate (i % 9)/8, code when i is even
@@ -163,16 +163,9 @@ def test_category_table_is_the_authors():
     assert data_category("unknown") == "other"
 
 
-def _config(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
-
-
 @pytest.mark.parametrize("name", ["qwen25_7b_cleaner", "qwen25_7b_dapo", "qwen25_7b_notool"])
 def test_7b_configs_train_on_the_filtered_file(name, tmp_path, monkeypatch):
-    c = _config(name)
+    c = load_config(name)
     assert c.data.train == "Open-AgentRL-30K.filtered_sr.parquet"
     c.model.path = str(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -180,4 +173,4 @@ def test_7b_configs_train_on_the_filtered_file(name, tmp_path, monkeypatch):
         validate(c)
     (tmp_path / "Open-AgentRL-30K.filtered_sr.parquet").touch()
     validate(c)
-    assert _config("qwen3_4b_cleaner").data.train == "Open-AgentRL-30K.parquet"  # 4B: the full set
+    assert load_config("qwen3_4b_cleaner").data.train == "Open-AgentRL-30K.parquet"  # 4B: the full set

@@ -4,7 +4,6 @@ References: torch's own scaler update (`torch._amp_update_scale_`, what the auth
 ShardedGradScaler calls), a float32 learner for the unscaled gradient, hand-computed scales,
 and copies of the parameters and optimizer state taken before the step (bit-identity).
 """
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -20,16 +19,14 @@ from cleaner_jax.rl.checkpointing import Checkpointer
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.loss_scale import LossScaleConfig, LossScaleState, init_state, next_state
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
+from _configs import load_config
 
 B, T = 8, 24
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def toy_config():
-    spec = importlib.util.spec_from_file_location("toy", ROOT / "configs" / "toy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config("toy")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ against a torch reference written token by token; the paper DAPO baseline config
 the real step, whose logged TIS weight must be the NumPy value (and so not identically 1, the
 bypass bug); bypass mode; the config rules of the new keys."""
 import dataclasses
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import build_batch, rl_step
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,13 +184,6 @@ def test_sequence_tis_by_hand():
 
 
 # ----------------------------------------------------------------------------- the paper baseline, end to end
-
-
-def load_config(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
 
 
 def tiny_paper_config(name, **overrides):

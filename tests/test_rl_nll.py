@@ -1,7 +1,6 @@
 """The supervised control (`algo.loss=nll`, docs/estimators.md §4): `algo.nll_sequences` chooses
 which purified trajectories are imitated; only those contribute, checked against a hand / NumPy
 computation, in the loss and through the real step; configs/toy_nll.py."""
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -17,6 +16,7 @@ from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import StepConfig, build_batch, group_advantages, rl_step, shaped_rewards
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
+from _configs import load_config, load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,10 +91,7 @@ def test_nll_through_the_step_trains_only_the_chosen_trajectories(ckpt, which, r
 
 
 def test_toy_nll_config():
-    spec = importlib.util.spec_from_file_location("toy_nll", ROOT / "configs" / "toy_nll.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+    c = load_config("toy_nll")
     run = validate(c)
     assert (run.algo.loss, run.algo.nll_sequences, run.data.train) == ("nll", "correct", "toy")
     loss = wiring.learner_config(c).loss
@@ -108,9 +105,7 @@ def test_toy_nll_trains_end_to_end(tmp_path):
     import subprocess
     import sys
 
-    spec = importlib.util.spec_from_file_location("test_train_toy", ROOT / "tests" / "test_train_toy.py")
-    toy_test = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(toy_test)
+    toy_test = load_module(ROOT / "tests" / "test_train_toy.py")
     cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy_nll.py"),
            "--workdir", str(tmp_path), "--config.train.steps=2", *toy_test.SMALL]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)

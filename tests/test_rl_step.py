@@ -14,6 +14,7 @@ from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, mini
                                  with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
+from _configs import load_config
 
 EPS = 1e-6
 
@@ -236,14 +237,9 @@ def test_advantage_options_and_zero_group_exclusion_by_hand():
 
 
 def test_step_keys_reach_the_step_config():
-    import importlib.util
-    from pathlib import Path
-
     from cleaner_jax import wiring
-    spec = importlib.util.spec_from_file_location("toy", Path(__file__).resolve().parents[1] / "configs" / "toy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config()
+
+    c = load_config("toy")
     faithful = wiring.step_config(c, pad_id=3)
     assert (faithful.old_logprobs, faithful.std_floor, faithful.singleton, faithful.exclude_zero_adv_groups) == (
         "recompute", 0.0, "authors", False)

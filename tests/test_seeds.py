@@ -2,7 +2,6 @@
 starts from a fixed model path, where the seed used to change nothing) give identical metrics
 and rollouts for one seed, and different rollouts for two seeds even with the data order held.
 The seed arithmetic itself is checked against hand-written values."""
-import importlib.util
 import gzip
 import json
 from pathlib import Path
@@ -14,15 +13,13 @@ from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.train import Trainer, data_seed, eval_seed, rollout_seed
 from cleaner_jax.wiring import training_problems
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def toy_config():
-    spec = importlib.util.spec_from_file_location("toy", ROOT / "configs" / "toy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config("toy")
 
 
 def test_seed_arithmetic_by_hand():

@@ -3,7 +3,6 @@ step's splice diagnostics on a hand-built purified trajectory, the learner's gap
 tokens out of gap/*), and each `saar.splice_correction` mode against a hand computation of its
 weights and of which tokens enter the loss."""
 import dataclasses
-import importlib.util
 import statistics
 import typing
 from pathlib import Path
@@ -25,6 +24,7 @@ from cleaner_jax.saar import config as saar_config
 from cleaner_jax.saar.purify import purify
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import RawTrajectory, Segment, Trajectory
+from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,10 +233,7 @@ def test_the_two_declarations_of_the_choices_agree():
 
 
 def toy():
-    spec = importlib.util.spec_from_file_location("toy", ROOT / "configs" / "toy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config("toy")
 
 
 def test_the_key_reaches_the_loss():
