@@ -33,7 +33,7 @@ from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner
-from cleaner_jax.session import Session, make_mesh, prepare_model_dir
+from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
 from cleaner_jax.wiring import eval_benchmarks, eval_plan, eval_specs, learner_config
 
@@ -85,7 +85,6 @@ def export_checkpoint(c: ml_collections.ConfigDict, workdir: Path, checkpoint: s
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.basicConfig(level=logging.INFO)
     f = flags.FLAGS
     c = f.config
     if f.model_dir and f.checkpoint:
@@ -95,6 +94,7 @@ def main(argv: list[str]) -> None:
         validate(c)
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
+    print(f"evaluating (log: {log_to_file(workdir / 'evaluate.log')})", flush=True)
     benchmarks = eval_benchmarks(c)
     if not benchmarks:
         raise app.UsageError("config.data.eval names no benchmark")

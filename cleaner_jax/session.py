@@ -150,3 +150,22 @@ def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_si
         yield SGLangClient([handle.url], timeout_s=timeout, vocab_size=vocab_size)
     finally:
         handle.stop()
+
+
+def log_to_file(log_file: Path) -> Path:
+    """Send the run's log (every library's INFO lines: Orbax, absl, JAX, ours) to `log_file` and
+    keep only warnings and errors on the console, so a user sees progress bars, those, and the
+    summary. Replaces the handlers absl's `app.run` installed on the root logger."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    to_file = logging.FileHandler(log_file, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root.addHandler(to_file)
+    root.addHandler(console)
+    root.setLevel(logging.INFO)
+    return log_file

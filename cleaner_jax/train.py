@@ -52,7 +52,7 @@ from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
 from cleaner_jax.rl.step import rl_step, valid_rows
 from cleaner_jax.rollout.weight_sync import export_and_sync
-from cleaner_jax.session import Session, make_mesh, prepare_model_dir
+from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir
 from cleaner_jax.toy import task as toy_task
 from cleaner_jax.toy.warm_start import warm_start
 from cleaner_jax.trajectory import ScoredEpisode
@@ -291,7 +291,6 @@ class _StepLoop:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = flags.FLAGS.config
     try:
         validate(config)
@@ -299,6 +298,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: {err}") from None
     workdir = Path(flags.FLAGS.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    print(f"training in {workdir} (log: {log_to_file(workdir / 'train.log')})", flush=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     try:
         Trainer(config, workdir).run()

@@ -1,6 +1,7 @@
 """Log-prob gap metrics against hand-computed values; MetricsWriter output read back with
 TensorBoard's own event reader and as JSON lines."""
 import json
+import logging
 import math
 
 import numpy as np
@@ -41,3 +42,20 @@ def test_metrics_writer_tensorboard_and_jsonl(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"step": 1, "loss": 0.5, "gap/abs_diff": 0.01}
     assert rows[1]["grad_norm"] == "nan"
+
+
+def test_metrics_writer_keeps_every_name(tmp_path, caplog):
+    """TensorBoard and metrics.jsonl carry the same names: none is rewritten (tensorboardX's
+    add_scalar would turn `pass@1` into `pass_1`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    names = ["eval/toy/pass@1", "eval/toy/mean@16/ci_low", "eval/gpqa_diamond/maj@4/mean", "learner/loss"]
+    with caplog.at_level(logging.INFO), MetricsWriter(tmp_path) as w:
+        w.write(3, {n: float(i) for i, n in enumerate(names)})
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == sorted(names)
+    assert [(e.step, e.value) for e in acc.Scalars("eval/toy/pass@1")] == [(3, 0.0)]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert sorted(k for k in row if k != "step") == sorted(names)
+    assert "illegal" not in caplog.text

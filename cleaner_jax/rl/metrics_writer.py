@@ -1,7 +1,10 @@
 """Per-step scalar metrics to TensorBoard (tensorboardX, no TensorFlow) and a JSON-lines file.
 
 The JSON-lines copy (`metrics.jsonl`, one object per step) is what notebooks read without
-TensorBoard's event parser.
+TensorBoard's event parser. Both carry exactly the same names (docs/metrics.md): tensorboardX's
+`SummaryWriter.add_scalar` rewrites names it calls illegal (`eval/toy/pass@1` -> `pass_1`, with
+a log line each time), so scalars are written as summary protos through its `FileWriter`, which
+keeps the tag as given; TensorBoard reads any tag string.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from tensorboardX import SummaryWriter
+from tensorboardX import FileWriter
+from tensorboardX.proto.summary_pb2 import Summary
 
 
 class MetricsWriter:
@@ -20,15 +24,17 @@ class MetricsWriter:
     def __init__(self, logdir: str | os.PathLike, jsonl: bool = True):
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self._tb = SummaryWriter(str(self.logdir))
+        self._tb = FileWriter(str(self.logdir))
         self._jsonl = open(self.logdir / "metrics.jsonl", "a", encoding="utf-8") if jsonl else None
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row: dict[str, float | int | str] = {"step": int(step)}
+        values = []
         for name, value in metrics.items():
             v = float(value)
-            self._tb.add_scalar(name, v, global_step=int(step))
+            values.append(Summary.Value(tag=name, simple_value=v))
             row[name] = v if math.isfinite(v) else str(v)  # JSON has no NaN/inf
+        self._tb.add_summary(Summary(value=values), global_step=int(step))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row) + "\n")
 
