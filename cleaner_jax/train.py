@@ -50,7 +50,7 @@ from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
-from cleaner_jax.rl.step import rl_step, valid_rows
+from cleaner_jax.rl.step import rl_step_with_old_logprobs, valid_rows
 from cleaner_jax.rollout.weight_sync import export_and_sync
 from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir
 from cleaner_jax.toy import task as toy_task
@@ -182,7 +182,7 @@ class _StepLoop:
             scored, rounds = self.collect(step, sampler)
             t_rollout = time.perf_counter() - t0
             calls_before = self.learner.calls
-            metrics = rl_step(self.learner, scored, self.step_cfg)
+            metrics, old_logprobs = rl_step_with_old_logprobs(self.learner, scored, self.step_cfg)
             t_update = time.perf_counter() - t0 - t_rollout
             skipped_ids = self.log_skipped(step + 1, scored, calls_before)
             sync = self.sync(step + 1)
@@ -197,7 +197,7 @@ class _StepLoop:
             self.writer.write(step + 1, metrics)
             self.writer.flush()
             if c.train.dump_trajectories:
-                self.dump(step + 1, scored)
+                self.dump(step + 1, scored, old_logprobs)
             stop_if_stuck(self.learner, c.train.max_consecutive_skips, step + 1,
                           {"data_position": sampler.position}, skipped_ids)
             if (step + 1) % c.train.checkpoint_every == 0 or step + 1 == c.train.steps:
@@ -222,13 +222,13 @@ class _StepLoop:
                             step, k + 1, updates, ", ".join(ids[k]))
         return out
 
-    def dump(self, step: int, scored: list[ScoredEpisode]) -> None:
+    def dump(self, step: int, scored: list[ScoredEpisode], old_logprobs: list[np.ndarray | None]) -> None:
         """The step's trajectories for the viewer (`viz/dumps.py`, `python -m cleaner_jax.viz.serve`),
-        with the advantages the step trained with and the γ that decided each splice."""
+        with the advantages and old log-probs the step trained with and the γ that decided each splice."""
         tok = self.session.tokenizer
         write_step(self.wd, step, scored, advantages=step_advantages(scored, self.step_cfg).tolist(),
                    gamma=self.c.saar.gamma, pieces=token_pieces(tok),
-                   decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False))
+                   decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False), old_logprobs=old_logprobs)
 
     # -- phases
     def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[ScoredEpisode], int]:

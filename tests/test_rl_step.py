@@ -10,8 +10,8 @@ import pytest
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
-from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step, shaped_rewards,
-                                 with_old_logprobs)
+from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
+                                 rl_step_with_old_logprobs, shaped_rewards, with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
 from _configs import load_config
@@ -186,6 +186,33 @@ def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
         assert got["learner/ratio_mean"] != pytest.approx(1.0, abs=1e-3)  # rollout log-probs are not the learner's
     for x, y in zip(jax.tree.leaves(stepped.params), jax.tree.leaves(hand.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "rollout"])
+def test_old_logprobs_per_episode_are_the_responses_slices(ckpt, mode):
+    """What the dump shows beside the behaviour log-probs: each valid episode's response slice of
+    the old log-probs the update used (the untrained learner's recompute, or the rollout ones),
+    None for the invalid episode."""
+    s = [
+        scored("a", 0, episode([5, 6, 7], [10, 11, 12, 13, 14]), 1.0),
+        scored("a", 0, None, float("nan"), error="rollout: server unreachable"),
+        scored("b", 1, episode([8, 9], [50, 51, 52, 53]), -1.0),
+        scored("b", 1, episode([8, 9], [20, 21], obs=[30, 31, 32], turn2=[22, 23, 24]), 1.0),
+    ]
+    cfg = StepConfig(max_response_tokens=64, mini_batches=1, old_logprobs=mode)
+    reference = learner_of(ckpt)  # the same initial weights: the recompute happens before any update
+    _, old = rl_step_with_old_logprobs(learner_of(ckpt), s, cfg)
+    assert old[1] is None
+    for i in (0, 2, 3):
+        t = s[i].episode.purified
+        full = np.asarray(t.full_ids, np.int32)[None]
+        if mode == "recompute":  # one sequence alone, padded to the micro-batch: an independent forward
+            ids = np.repeat(full, reference.cfg.logprob_micro_batch_size, axis=0)
+            want = reference.logprobs(ids, np.ones_like(ids, np.float32))[0, len(t.prompt_ids):]
+        else:
+            want = t.rollout_logprobs
+        assert old[i].shape == (len(t.response_ids),)
+        np.testing.assert_allclose(old[i], want, rtol=1e-5, atol=1e-5)
 
 
 class FakeLearner:

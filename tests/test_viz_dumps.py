@@ -103,3 +103,26 @@ def test_dumped_advantages_are_the_steps_group_advantages(step):
     r = np.array([x.score for x in s.scored])
     expected = np.concatenate([(g - g.mean()) / (g.std(ddof=1) + 1e-6) for g in (r[:2], r[2:4])] + [r[4:] / (1 + 1e-6)])
     np.testing.assert_allclose(step_advantages(s.scored, StepConfig(max_response_tokens=4096)), expected, rtol=1e-5)
+
+
+def test_old_logprobs_reach_the_viewer_copy_and_are_checked(step, tmp_path):
+    """The old log-probs the update used (rl.step.rl_step_with_old_logprobs) are stored per
+    response token; a row of the wrong length or count is refused, naming the episode."""
+    tok, s = step
+    rng = np.random.default_rng(0)
+    old = [None if x.episode is None else (-rng.random(len(x.episode.purified.response_ids))).astype(np.float32)
+           for x in s.scored]
+    write_step(tmp_path, 3, s.scored, advantages=s.advantages, gamma=0.5, pieces=token_pieces(tok),
+               decode=lambda ids: tok.decode(list(ids)), old_logprobs=old)
+    for want, d in zip(old, read_step(tmp_path, 3)):
+        if d.view is not None:
+            np.testing.assert_array_equal(np.float32(d.view["purified"]["old_logprobs"]), want)
+    write(tok, s, tmp_path)  # written without them: stored as null
+    assert all(d.view["purified"]["old_logprobs"] is None for d in read_step(tmp_path, 7) if d.view)
+    short = [None if o is None else o[:-1] for o in old]
+    with pytest.raises(ValueError, match="episode 0 has"):
+        write_step(tmp_path, 4, s.scored, advantages=s.advantages, gamma=0.5, pieces=token_pieces(tok),
+                   decode=lambda ids: tok.decode(list(ids)), old_logprobs=short)
+    with pytest.raises(ValueError, match="old log-prob rows"):
+        write_step(tmp_path, 4, s.scored, advantages=s.advantages, gamma=0.5, pieces=token_pieces(tok),
+                   decode=lambda ids: tok.decode(list(ids)), old_logprobs=old[:-1])

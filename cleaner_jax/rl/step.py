@@ -117,6 +117,19 @@ def valid_rows(scored: Sequence[ScoredEpisode]) -> np.ndarray:
     return np.array([i for i, s in enumerate(scored) if s.valid], dtype=np.int64)
 
 
+def episode_old_logprobs(scored: Sequence[ScoredEpisode], batch: Batch) -> list[np.ndarray | None]:
+    """Each valid episode's slice of `batch.old_logprobs` over its purified response ([R_i], in
+    the trajectory's alignment: entry t scores response token t); None for invalid episodes."""
+    if batch.old_logprobs is None:
+        raise ValueError("episode_old_logprobs: the batch has no old_logprobs (call with_old_logprobs first)")
+    out: list[np.ndarray | None] = [None] * len(scored)
+    for row, i in enumerate(valid_rows(scored)):
+        t = scored[i].episode.purified
+        p = len(t.prompt_ids)
+        out[i] = np.asarray(batch.old_logprobs[row, p:p + len(t.response_ids)], dtype=np.float32)
+    return out
+
+
 def without_rows(batch: Batch, drop: np.ndarray) -> Batch:
     """`batch` with the loss mask of the rows where `drop` [B] is True set to 0: they leave the
     loss, its denominator and every loss metric (the rows stay, so the shapes do not change)."""
@@ -157,6 +170,14 @@ def minibatch_update(learner: Learner, batch: Batch, mini_batches: int) -> dict[
 
 def rl_step(learner: Learner, scored: Sequence[ScoredEpisode], cfg: StepConfig) -> dict[str, float]:
     """Train `learner` on one step's scored episodes; returns the step's metrics."""
+    return rl_step_with_old_logprobs(learner, scored, cfg)[0]
+
+
+def rl_step_with_old_logprobs(learner: Learner, scored: Sequence[ScoredEpisode],
+                              cfg: StepConfig) -> tuple[dict[str, float], list[np.ndarray | None]]:
+    """`rl_step`, also returning the old log-probs each episode's response was trained against
+    (the learner's recompute in decoupled mode), [R_i] per episode, None for an invalid one:
+    what a dump shows beside the behaviour log-probs."""
     rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
     adv = group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton)
     batch = build_batch(scored, adv.advantages, pad_id=cfg.pad_id,
@@ -174,4 +195,4 @@ def rl_step(learner: Learner, scored: Sequence[ScoredEpisode], cfg: StepConfig) 
     out.update(adv.metrics("adv/"))
     valid = np.isfinite(rewards)
     out["reward/mean"] = float(np.mean(rewards[valid])) if valid.any() else float("nan")
-    return out
+    return out, episode_old_logprobs(scored, batch)  # without_rows leaves old_logprobs as they were

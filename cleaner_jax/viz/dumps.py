@@ -79,8 +79,10 @@ def _regeneration_after(segs: Sequence[Segment], k: int) -> Segment:
     raise ValueError(f"raw segment {k} (turn {segs[k].turn}): error feedback that no regeneration answered")
 
 
-def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> dict[str, Any]:
-    """The viewer's part of a dump line (see the module docstring)."""
+def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], str],
+                 old_logprobs: Sequence[float] | None = None) -> dict[str, Any]:
+    """The viewer's part of a dump line (see the module docstring). `old_logprobs` [R]: what the
+    update trained the purified response against (the learner's recompute), when known."""
     raw = []
     segs = ep.raw.segments
     for k, s in enumerate(segs):
@@ -118,6 +120,7 @@ def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], 
             "loss_mask": t.loss_mask.tolist(),
             "rollout_logprobs": _floats(t.rollout_logprobs),
             "behaviour_logprobs": _floats(t.behaviour_logprobs),
+            "old_logprobs": None if old_logprobs is None else _floats(old_logprobs),
             "splice_kind": t.splice_kind.tolist(),
             "truncated": t.truncated,
             "segments": [dataclasses.asdict(s) for s in t.segments],
@@ -127,12 +130,19 @@ def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], 
 
 
 def step_records(step: int, scored: Sequence[ScoredEpisode], advantages: Sequence[float], gamma: float,
-                 pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> list[dict[str, Any]]:
+                 pieces: Pieces, decode: Callable[[Sequence[int]], str],
+                 old_logprobs: Sequence[Sequence[float] | None] | None = None) -> list[dict[str, Any]]:
     if len(advantages) != len(scored):
         raise ValueError(f"step_records: {len(advantages)} advantages for {len(scored)} episodes")
+    if old_logprobs is not None and len(old_logprobs) != len(scored):
+        raise ValueError(f"step_records: {len(old_logprobs)} old log-prob rows for {len(scored)} episodes")
     out = []
     for i, (s, adv) in enumerate(zip(scored, advantages)):
         ep = s.episode
+        old = None if old_logprobs is None else old_logprobs[i]
+        if old is not None and ep is not None and len(old) != len(ep.purified.response_ids):
+            raise ValueError(f"step_records: episode {i} has {len(old)} old log-probs for "
+                             f"{len(ep.purified.response_ids)} response tokens")
         kinds = set() if ep is None else set(ep.purified.splice_kind.tolist())
         labels = set() if ep is None else {lab for e in ep.events for lab in e.error_labels} | {
             seg.error_label for seg in ep.raw.segments if seg.error_label}
@@ -145,21 +155,22 @@ def step_records(step: int, scored: Sequence[ScoredEpisode], advantages: Sequenc
             "splice_kinds": [n for c, n in ((SPLICED_SHALLOW, "shallow"), (SPLICED_DEEP, "deep")) if c in kinds],
             "error_types": sorted(labels),
             "has_episode": ep is not None,
-            "view": None if ep is None else episode_view(ep, pieces, decode),
+            "view": None if ep is None else episode_view(ep, pieces, decode, old),
             **({} if ep is None else episode_to_dict(ep)),
         })
     return out
 
 
 def write_step(workdir: str | Path, step: int, scored: Sequence[ScoredEpisode], *, advantages: Sequence[float],
-               gamma: float, pieces: Pieces, decode: Callable[[Sequence[int]], str]) -> Path:
+               gamma: float, pieces: Pieces, decode: Callable[[Sequence[int]], str],
+               old_logprobs: Sequence[Sequence[float] | None] | None = None) -> Path:
     """One step's dump (format 2), written whole to a temporary name and then renamed, so a
     reader (the live viewer) never sees half a file."""
     path = dump_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        for rec in step_records(step, scored, advantages, gamma, pieces, decode):
+        for rec in step_records(step, scored, advantages, gamma, pieces, decode, old_logprobs):
             f.write(json.dumps(rec) + "\n")
     tmp.replace(path)
     return path

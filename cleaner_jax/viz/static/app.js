@@ -163,7 +163,9 @@ function purifiedColumn(ep) {
       const title = `#${i}: ${JSON.stringify(t.pieces[i])}\nloss mask ${m}` +
         (m ? `, advantage ${fmt(ep.advantage)}` : "") + (k ? `\nspliced (${SPLICE_NAMES[k]})` : "") +
         (m ? `\nbehaviour log-prob ${fmt(t.behaviour_logprobs[i], 4)}\nrollout log-prob ${fmt(t.rollout_logprobs[i], 4)}` +
-             `\nbehaviour − rollout ${fmt(gap, 4)}` : "");
+             `\nbehaviour − rollout ${fmt(gap, 4)}` +
+             (t.old_logprobs ? `\nlearner (old) log-prob ${fmt(t.old_logprobs[i], 4)}` +
+                               `\nbehaviour − learner ${fmt(t.behaviour_logprobs[i] - t.old_logprobs[i], 4)}` : "") : "");
       const tok = token(t.pieces[i], cls, title, { "data-i": i, "data-splice": k, "data-mask": m });
       if (m) tok.style.setProperty("--bg", advColour(ep.advantage));
       toks.push(tok);
