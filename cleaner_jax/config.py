@@ -63,6 +63,13 @@ class ModelConfig:
 class DataConfig:
     train: str = field(TOY, help="'toy' (built-in arithmetic task) or a local .parquet/.jsonl path")
     train_limit: int | None = field(None, ge=1, help="use only the first N training rows (a file dataset)")
+    skip_bad_rows: bool = field(
+        False, help="a file dataset: leave out (and count, at start-up) rows that cannot be read (bad JSON, not "
+        "UTF-8, a missing field, a wrong type, an empty prompt) instead of stopping with the error naming the row")
+    overlong_prompts: Literal["error", "filter"] = field(
+        "error", help="a file dataset: a prompt rendered longer than agent.max_prompt_tokens stops the run at "
+        "start-up naming the row (error; the authors filter nothing, and such a prompt would silently eat the "
+        "response budget) or is left out and counted (filter, like verl's filter_overlong_prompts); never truncated")
     eval: str = field(TOY, help="comma-separated benchmarks: 'toy', shipped names (aime24,aime25,...) and user files "
                       "as NAME=PATH (gpqa_diamond=/d/gpqa.parquet,livecodebench=/d/lcb.jsonl); '' for none")
     eval_limit: int | None = field(None, ge=1, help="problems per benchmark; None = all (the generated toy set needs N)")
@@ -308,6 +315,8 @@ def _check_combinations(r: RunConfig) -> None:
                  f"training data {d.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
     _require(d.train != TOY or d.train_limit is None, "data.train_limit",
              "the toy task is generated without end; a limit applies to a file dataset only")
+    _require(d.train != TOY or not d.skip_bad_rows, "data.skip_bad_rows",
+             "the toy task is generated and has no bad rows; the option applies to a file dataset only")
     try:
         entries = parse_eval_spec(d.eval)
     except ValueError as e:

@@ -151,7 +151,8 @@ class Trainer:
             step_loop = _StepLoop(c, wd, session, learner, writer, model_dir)
             if start > 0:  # the server still serves the initial weights
                 step_loop.sync(start)
-            sampler = ProblemSampler(training_problems(c), data_seed(c), position=int(state.get("data_position", 0)))
+            problems = training_problems(c, prompt_len=lambda messages: len(session.chat.prompt_ids(messages)))
+            sampler = ProblemSampler(problems, data_seed(c), position=int(state.get("data_position", 0)))
             benchmarks = eval_benchmarks(c)
             if c.train.eval_before_train and start == 0 and benchmarks:
                 step_loop.evaluate(0, benchmarks)

@@ -8,7 +8,8 @@ their fields (`schema.gather`), so no key is mapped by hand here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -18,7 +19,7 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.config import TOY, DataConfig, validate
 from cleaner_jax.config import eval_settings as config_eval_settings
 from cleaner_jax.data.benchmarks import load_user_benchmark, parse_eval_spec
-from cleaner_jax.data.problems import Problem, load_agentrl, load_benchmark
+from cleaner_jax.data.problems import DataError, Problem, load_benchmark, load_training_set
 from cleaner_jax.eval.runner import BenchmarkSpec, EvalPlan
 from cleaner_jax.eval.settings import EvalSettings
 from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
@@ -27,6 +28,8 @@ from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.rl.step import StepConfig
 from cleaner_jax.toy import task as toy_task
 
+log = logging.getLogger(__name__)
+LOGGED_SKIPS = 20  # skipped rows named one by one in the log; all are counted
 TOY_EVAL_SEED = 987_654  # the toy benchmark: fixed problems, disjoint from training seeds in practice
 
 
@@ -88,12 +91,39 @@ def _toy(d: DataConfig, n: int, seed: int) -> list[Problem]:
     return toy_task.make_problems(n, seed=seed, max_operand=d.toy_max_operand, num_ops=d.toy_num_ops)
 
 
-def training_problems(c: ml_collections.ConfigDict) -> list[Problem] | Callable[[int], Problem]:
-    """The training set, or for the toy task an endless generator `seed -> Problem`."""
-    d = validate(c).data
+def training_problems(
+    c: ml_collections.ConfigDict, prompt_len: Callable[[Sequence[Mapping[str, str]]], int] | None = None
+) -> list[Problem] | Callable[[int], Problem]:
+    """The training set, or for the toy task an endless generator `seed -> Problem`.
+
+    A file dataset needs `prompt_len(messages)`, the rendered prompt's length in tokens (the
+    run's `len(chat.prompt_ids(messages))`), to hold every prompt to agent.max_prompt_tokens
+    (data.overlong_prompts); rows left out (that, and data.skip_bad_rows) are logged here, at
+    start-up, each with its file and row, and counted."""
+    r = validate(c)
+    d = r.data
     if d.train == TOY:
         return lambda seed: _toy(d, 1, seed)[0]
-    return load_agentrl(d.train, limit=d.train_limit)
+    if prompt_len is None:
+        raise ValueError(f"training_problems: data.train={d.train!r} is a file dataset; pass prompt_len (the "
+                         "rendered prompt length, e.g. lambda m: len(session.chat.prompt_ids(m))) so that "
+                         "prompts are checked against agent.max_prompt_tokens")
+    problems, skipped = load_training_set(d.train, limit=d.train_limit, skip_bad_rows=d.skip_bad_rows,
+                                          prompt_len=prompt_len, max_prompt_tokens=r.agent.max_prompt_tokens,
+                                          overlong=d.overlong_prompts)
+    for message in skipped.bad_rows[:LOGGED_SKIPS]:
+        log.warning("skipped (data.skip_bad_rows): %s", message)
+    for message in skipped.overlong[:LOGGED_SKIPS]:
+        log.warning("skipped (data.overlong_prompts='filter'): %s", message)
+    log.info("training set %s: %d problems; skipped %d unreadable or malformed rows (data.skip_bad_rows) and %d "
+             "prompts over agent.max_prompt_tokens=%d (data.overlong_prompts)%s", d.train, len(problems),
+             len(skipped.bad_rows), len(skipped.overlong), r.agent.max_prompt_tokens,
+             f"; the first {LOGGED_SKIPS} of each are logged above" if
+             max(len(skipped.bad_rows), len(skipped.overlong)) > LOGGED_SKIPS else "")
+    if not problems:
+        raise DataError(f"{d.train}: no training problems left after skipping {len(skipped.bad_rows)} bad rows and "
+                        f"{len(skipped.overlong)} overlong prompts (see the warnings above)")
+    return problems
 
 
 def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:

@@ -59,8 +59,6 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A tiny HF checkpoint and an Orbax training checkpoint (step 1) holding the same weights."""
-    import ml_collections  # noqa: F401 - the config below
-
     from cleaner_jax import wiring
     from cleaner_jax.models import qwen
     from cleaner_jax.rl.learner import Learner

@@ -134,7 +134,6 @@ def compute_loss(
     adv = advantages.astype(jnp.float32)
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, m.shape)
     adv = jnp.where(m, adv, 0.0)
-    logp_m = jnp.where(m, logp, 0.0)
     sums: dict[str, jax.Array] = {}
     counts: dict[str, jax.Array] = {}
     maxes: dict[str, jax.Array] = {}

@@ -60,6 +60,8 @@ class SamplingParams:
 
 def parse_sampling(raw: dict[str, Any] | None, defaults: SamplingParams) -> SamplingParams:
     """Validate a `sampling_params` dict like SGLang does; raise ValueError with the reason."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"sampling_params must be a JSON object, got {type(raw).__name__} {raw!r:.80}")
     raw = dict(raw or {})
     unknown = [k for k in raw if k not in ALLOWED_SAMPLING_KEYS]
     if unknown:
@@ -75,6 +77,7 @@ def parse_sampling(raw: dict[str, Any] | None, defaults: SamplingParams) -> Samp
         if field.name in raw and raw[field.name] is not None:
             values[field.name] = raw[field.name]
     params = dataclasses.replace(defaults, **values)
+    _check_types(params)
     stop = params.stop
     params = dataclasses.replace(
         params,
@@ -100,6 +103,33 @@ def parse_sampling(raw: dict[str, Any] | None, defaults: SamplingParams) -> Samp
     if params.n < 1:
         raise ValueError(f"n must be at least 1, got {params.n}")
     return params
+
+
+def _check_types(p: SamplingParams) -> None:
+    """JSON types before conversion, so a hostile value is a 400 naming the key, never a
+    TypeError (HTTP 500) here or an exception on the engine thread later."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def integer(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for name in ("temperature", "top_p", "min_p"):
+        if not number(getattr(p, name)):
+            raise ValueError(f"sampling_params.{name} must be a number, got {getattr(p, name)!r:.80}")
+    for name in ("max_new_tokens", "top_k", "n"):
+        value = getattr(p, name)
+        if not (integer(value) or (isinstance(value, float) and value.is_integer())):
+            raise ValueError(f"sampling_params.{name} must be an integer, got {value!r:.80}")
+    if p.sampling_seed is not None and not integer(p.sampling_seed):
+        raise ValueError(f"sampling_params.sampling_seed must be an integer, got {p.sampling_seed!r:.80}")
+    if not (isinstance(p.stop_token_ids, (list, tuple)) and all(integer(t) for t in p.stop_token_ids)):
+        raise ValueError(f"sampling_params.stop_token_ids must be a list of integers, got {p.stop_token_ids!r:.80}")
+    if not (isinstance(p.stop, str) or (isinstance(p.stop, (list, tuple)) and all(isinstance(s, str) for s in p.stop))):
+        raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {p.stop!r:.80}")
+    for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"sampling_params.{name} must be true or false, got {getattr(p, name)!r:.80}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,10 @@ from aiohttp import web
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
 from cleaner_jax.rollout.engine import Engine
-from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams, UnknownFieldError, parse_sampling
+from cleaner_jax.rollout.request import GenRequest, SamplingParams, UnknownFieldError
 from cleaner_jax.rollout.scheduler import BatchScheduler
+from cleaner_jax.rollout.wire import (MAX_BODY_BYTES, BadRequest, error_response, format_result, json_errors_middleware,
+                                      parse_generate, read_json_object)
 
 log = logging.getLogger(__name__)
 SERVER_VERSION = "cleaner_jax-0.1"
@@ -67,106 +69,6 @@ def load_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _per_item(value: Any, n: int, name: str, is_batch: bool) -> list[Any]:
-    """SGLang batch fields are either one value for all items or a list with one per item."""
-    if is_batch and isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
-        return list(value)
-    return [value] * n
-
-
-@dataclasses.dataclass
-class _Item:
-    req: GenRequest
-    return_logprob: bool
-
-
-def parse_generate(body: dict[str, Any], defaults: SamplingParams) -> tuple[list[_Item], bool]:
-    """Turn a /generate body into engine requests; returns (items, is_batch). ValueError → 400."""
-    if "text" in body or "input_embeds" in body:
-        raise ValueError("this server is token-in/token-out: send input_ids (text/input_embeds unsupported)")
-    if "input_ids" not in body:
-        raise ValueError("Either text, input_ids or input_embeds should be provided.")
-    for key in ("top_logprobs_num", "token_ids_logprob"):
-        if body.get(key):
-            raise ValueError(f"{key} is not supported by this server")
-    ids = body["input_ids"]
-    if not isinstance(ids, list):
-        raise ValueError("input_ids must be a list of ints or a list of lists of ints")
-    is_batch = bool(ids) and isinstance(ids[0], list)
-    prompts = ids if is_batch else [ids]
-    n = len(prompts)
-    if n == 0:
-        raise ValueError("input_ids cannot be empty.")
-    sps = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
-    rids = _per_item(body.get("rid"), n, "rid", is_batch)
-    want_lp = _per_item(body.get("return_logprob", False), n, "return_logprob", is_batch)
-    starts = _per_item(body.get("logprob_start_len", -1), n, "logprob_start_len", is_batch)
-    if is_batch and any(r is not None for r in rids) and len(set(rids)) != n:
-        raise ValueError("rid must be unique within a batch")
-    items: list[_Item] = []
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"input_ids[{i}] must be a list of ints")
-        if not prompt:
-            raise ValueError("input_ids cannot be empty.")
-        params = parse_sampling(sps[i], defaults)
-        rid = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
-        start = int(starts[i]) if starts[i] is not None else -1
-        for j in range(params.n):
-            item_rid = rid if params.n == 1 else f"{rid}-{j}"
-            req = GenRequest(tuple(prompt), dataclasses.replace(params, n=1), item_rid, start if want_lp[i] else -1)
-            items.append(_Item(req, bool(want_lp[i])))
-    return items, is_batch or len(items) > 1
-
-
-def finish_reason_json(res: GenResult) -> dict[str, Any]:
-    if res.finish_type == "length":
-        return {"type": "length", "length": len(res.output_ids)}
-    if res.finish_type == "stop":
-        return {"type": "stop", "matched": res.matched}
-    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-
-
-def format_result(item: _Item, res: GenResult, tokenizer: Any, latency_s: float, prompt_ids: bool) -> dict[str, Any]:
-    sp = item.req.sampling
-    out: dict[str, Any] = {}
-    if tokenizer is not None:
-        text_ids = res.output_ids
-        if res.finish_type == "stop" and isinstance(res.matched, int) and not sp.no_stop_trim:
-            text_ids = text_ids[:-1]
-        out["text"] = tokenizer.decode(
-            text_ids, skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-        )
-    out["output_ids"] = res.output_ids
-    meta: dict[str, Any] = {
-        "id": res.rid,
-        "finish_reason": finish_reason_json(res),
-        "prompt_tokens": res.prompt_tokens,
-        "weight_version": res.weight_version,
-    }
-    if item.return_logprob:
-        meta["input_token_logprobs"] = [
-            [lp, tok, None]
-            for lp, tok in zip(res.input_logprobs, item.req.input_ids[max(item.req.logprob_start_len, 0):])
-        ]
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids)]
-        meta["output_token_logprobs_length"] = len(res.output_ids)
-    meta.update(
-        completion_tokens=len(res.output_ids), cached_tokens=res.cached_tokens, e2e_latency=latency_s
-    )
-    out["meta_info"] = meta
-    if prompt_ids:
-        out["prompt_token_ids"] = list(item.req.input_ids)
-    return out
-
-
 # ----------------------------------------------------------------------------- handlers
 # One coroutine per route; each finds the shared ServerState on its app and answers 503 until the
 # model is loaded (`_ready`).
@@ -182,7 +84,7 @@ def _ready(handler: Callable[[web.Request, ServerState], Awaitable[web.StreamRes
     async def wrapped(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         if not state.ready.is_set():
-            return _error(503, f"model is not loaded yet{f': {state.load_error}' if state.load_error else ''}")
+            return error_response(503, f"model is not loaded yet{f': {state.load_error}' if state.load_error else ''}")
         return await handler(request, state)
 
     return wrapped
@@ -203,12 +105,7 @@ async def health_generate(_: web.Request, state: ServerState) -> web.Response:
 @_ready
 async def generate(request: web.Request, state: ServerState) -> web.StreamResponse:
     t0 = time.perf_counter()
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as exc:
-        return _error(400, f"request body is not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object")
+    body = await read_json_object(request)
     try:
         items, is_batch = parse_generate(body, state.engine.default_sampling)
         for item in items:
@@ -217,7 +114,7 @@ async def generate(request: web.Request, state: ServerState) -> web.StreamRespon
     except UnknownFieldError as exc:  # SGLang's contract-violation form: a bare string
         return web.json_response({"error": str(exc)}, status=400)
     except ValueError as exc:
-        return _error(400, str(exc))
+        return error_response(400, str(exc))
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except asyncio.CancelledError:  # client went away: abort, as SGLang does
@@ -289,10 +186,12 @@ def _update_failed(message: str) -> web.Response:
 
 @_ready
 async def update_weights_from_disk(request: web.Request, state: ServerState) -> web.Response:
-    body = await request.json()
+    body = await read_json_object(request)
     path, version = body.get("model_path"), body.get("weight_version")
     if not path:
         return _update_failed("model_path is required")
+    if not isinstance(path, str) or not (version is None or isinstance(version, str)):
+        return _update_failed(f"model_path and weight_version must be strings, got {path!r:.80} and {version!r:.80}")
     flush = body.get("flush_cache", True)
     if not isinstance(flush, bool):
         return _update_failed(f"flush_cache must be true or false, got {flush!r}")
@@ -312,19 +211,19 @@ async def update_weights_from_disk(request: web.Request, state: ServerState) -> 
 
 @_ready
 async def update_weight_version(request: web.Request, state: ServerState) -> web.Response:
-    body = await request.json()
+    body = await read_json_object(request)
     if "new_version" not in body:
-        return _error(400, "new_version is required")
+        return error_response(400, "new_version is required")
     state.engine.weight_version = str(body["new_version"])
     return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
 
 
 @_ready
 async def pause_generation(request: web.Request, state: ServerState) -> web.Response:
-    body = await request.json() if request.can_read_body else {}
+    body = await read_json_object(request, empty_ok=True)
     mode = body.get("mode", "abort")
     if mode != "abort":
-        return _error(400, f"pause_generation mode {mode!r} is not supported by this server; use \"abort\" "
+        return error_response(400, f"pause_generation mode {mode!r} is not supported by this server; use \"abort\" "
                            "(requests are aborted, new ones wait for /continue_generation)")
     state.scheduler.pause()
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -338,7 +237,9 @@ async def continue_generation(_: web.Request, state: ServerState) -> web.Respons
 
 @_ready
 async def abort_request(request: web.Request, state: ServerState) -> web.Response:
-    body = await request.json()
+    body = await read_json_object(request)
+    if isinstance(body.get("rid"), (list, dict)):
+        raise BadRequest(f"rid must be a string, got {body['rid']!r:.80}")
     if body.get("abort_all"):
         state.scheduler.abort_all()
     elif body.get("rid") is not None:
@@ -366,8 +267,8 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
 )
 
 
-def build_app(state: ServerState) -> web.Application:
-    app = web.Application(client_max_size=1 << 30)
+def build_app(state: ServerState, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors_middleware])
     app[STATE] = state
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
@@ -406,6 +307,7 @@ def start_server_in_thread(
     max_wait_s: float = 0.005,
     dtype: str = "float32",
     decode_backend: str | Ops = "auto",
+    max_body_bytes: int = MAX_BODY_BYTES,
     **engine_kwargs: Any,
 ) -> ServerHandle:
     """Serve on `host:port` (0 = a free port) from a background thread; the model loads in the
@@ -414,7 +316,7 @@ def start_server_in_thread(
     With `model_path`, the engine is built here: `dtype` is its parameter and compute dtype
     (pass the run's `model.compute_dtype`), `decode_backend` one of `DECODE_BACKENDS`
     (`rollout/decode_backend.py`), other `engine_kwargs` go to `Engine`. With a ready `engine`,
-    those are its own and must not be passed."""
+    those are its own and must not be passed. A body over `max_body_bytes` is answered 413."""
     if (model_path is None) == (engine is None):
         raise ValueError("pass exactly one of model_path and engine")
     if engine is not None and (engine_kwargs or dtype != "float32" or decode_backend != "auto"):
@@ -427,7 +329,7 @@ def start_server_in_thread(
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
-        runner = web.AppRunner(build_app(state), access_log=None)
+        runner = web.AppRunner(build_app(state, max_body_bytes), access_log=None)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, host, port)
         loop.run_until_complete(site.start())
