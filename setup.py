@@ -1,54 +1,65 @@
 """cleaner_jax: agentic RL on self-purified tool-use trajectories (CLEANER) in JAX/Flax NNX.
 
-Versions are pinned to the set measured to install together on Python 3.11
-(JAX 0.10.2 / Flax 0.12.8 are the last releases that support 3.11).
+Dependencies are RANGES, so that the package installs next to the JAX a user's accelerator needs
+(Python 3.12+ with the newest JAX on GPU/TPU machines). The lower bounds are the versions CI runs
+on Python 3.11 (JAX 0.10.2 / Flax 0.12.8 are the last releases that support 3.11); CI's exact set
+is `constraints/cpu-py311.txt` (`pip install -c constraints/cpu-py311.txt -e ".[dev]"`). The upper
+bounds stop before the next minor (JAX-family, 0.x) or major release, which may break APIs:
+the versions tested inside the ranges are recorded in docs/environment.md §4.
 """
 from setuptools import find_packages, setup
 
 INSTALL_REQUIRES = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax==0.2.8",
-    "orbax-checkpoint==0.12.8",
-    "transformers==5.24.0",
-    "tokenizers==0.23.3",
-    "safetensors==0.8.0",
-    "ml_collections==1.1.0",
-    "tensorboardX==2.6.5",  # event writer without TensorFlow
-    "tensorboard==2.21.0",  # the viewer, and the event reader used by viz/plots.py
-    "matplotlib==3.11.2",
-    "numpy==2.4.6",
-    "math-verify==0.9.0",
-    "aiohttp==3.14.5",
-    "tqdm==4.70.1",
-    "psutil==7.2.2",
-    "Jinja2==3.1.6",
-    "pyarrow==26.0.1",  # Open-AgentRL-style parquet training data
+    "jax>=0.10.2,<0.13",
+    "jaxlib>=0.10.2,<0.13",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "transformers>=5.24.0,<6",
+    "tokenizers>=0.23.3,<1",
+    "safetensors>=0.8.0,<1",
+    "ml_collections>=1.1.0,<2",
+    "tensorboardX>=2.6.5,<3",  # event writer without TensorFlow
+    "tensorboard>=2.21.0,<3",  # the viewer, and the event reader used by viz/plots.py
+    "matplotlib>=3.11.2,<4",
+    "numpy>=2.4.6,<3",
+    "math-verify>=0.9.0,<0.10",
+    "aiohttp>=3.14.5,<4",
+    "tqdm>=4.70.1,<5",
+    "psutil>=7.2.2,<8",
+    "Jinja2>=3.1.6,<4",
+    "pyarrow>=26.0.1,<28",  # Open-AgentRL-style parquet training data
     "json_repair>=0.40,<1",  # the authors' tool-call JSON parser (agent.tool_call_parser="json_repair")
 ]
 
 EXTRAS_REQUIRE = {
-    # torch is pinned: an unpinned torch pulls a multi-GB CUDA build. It is only used as the
-    # independent reference (transformers eager) in parity tests and benchmarks.
+    # torch is only the independent reference (transformers eager) in parity tests and benches.
+    # It is bounded to the releases checked (2.13 in CI, 2.14 is this box's cap): a newer torch
+    # may change eager numerics the parity tests compare against. Note that PyPI's Linux torch
+    # wheel is the CUDA build (with ~3 GB of nvidia-* wheels) whatever the pin; for the CPU build
+    # install torch first from https://download.pytorch.org/whl/cpu (README, "Installing for GPU/TPU").
     "dev": [
-        "pytest==9.2.0",
-        "pytest-timeout==2.4.0",
+        "pytest>=9.2.0,<10",
+        "pytest-timeout>=2.4.0,<3",
         "import-linter>=2.1,<3",  # the folder layering in .importlinter (tests/test_architecture.py)
-        "hypothesis==6.170.17",
+        "hypothesis>=6.170.17,<7",
         "scipy>=1.11,<2",  # independent reference of the bootstrap interval (tests/test_eval_metrics.py); jax needs it too
-        "torch==2.13.0",
+        "torch>=2.13.0,<2.15",
         # drives Debian's chromium (/usr/bin/chromium, installed by .ci/run) in tests/test_viz_browser.py;
         # it never downloads a browser of its own (the test passes executable_path)
         "playwright>=1.45,<2",
     ],
+    # Accelerator builds of JAX (declared, not installable on the CPU CI box): the jaxlib plugin
+    # wheels must match the jax version, so they carry the same range as install_requires.
+    "cuda": ["jax[cuda12]>=0.10.2,<0.13"],
+    "tpu": ["jax[tpu]>=0.10.2,<0.13"],
 }
 
 setup(
     name="cleaner_jax",
     version="0.1.0",
     description="CLEANER (SAAR-purified agentic RL) for Qwen2/Qwen3 in JAX/Flax NNX",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.11",
     packages=find_packages(include=["cleaner_jax", "cleaner_jax.*"]),
     package_data={"cleaner_jax.rollout": ["csrc/*.cc"],  # compiled on first use (rollout/cpu_kernels.py)
                   "cleaner_jax.viz": ["static/*.html", "static/*.js", "static/*.css"]},  # the trajectory viewer
