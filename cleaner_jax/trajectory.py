@@ -37,6 +37,9 @@ ObsRole = Literal["result", "feedback", "giveup", "unappended"]
 # call only ("shallow") or whole turn ("deep"); a regeneration without a tool call kept raw
 # after the error feedback ("kept_raw"); a regeneration dropped at the turn cap ("discarded").
 SpliceKind = Literal["none", "shallow", "deep", "kept_raw", "discarded"]
+# How the learner treats spliced tokens (docs/estimators.md §3): the `saar.splice_correction` key
+# (SaarConfig) and the loss's own field (LossConfig) share this one declaration.
+SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 # Per-token code of `Trajectory.splice_kind`: which kind of SAAR splice put the token there.
 NOT_SPLICED, SPLICED_SHALLOW, SPLICED_DEEP = 0, 1, 2
 

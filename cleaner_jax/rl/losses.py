@@ -37,13 +37,11 @@ import jax.numpy as jnp
 
 from cleaner_jax import schema
 from cleaner_jax.rl.importance import LOG_RATIO_BOUND, TisLevel, TisMode, rollout_is, splice_is
+from cleaner_jax.trajectory import SpliceCorrection
 
 LossKind = Literal["ppo", "nll"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 NllSequences = Literal["all", "correct", "positive_advantage"]
-# Declared again as `cleaner_jax.saar.config.SpliceCorrection` (the `saar.splice_correction` key;
-# saar/ and rl/ may not import each other); tests/test_splice_correction.py keeps the two equal.
-SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 
 
 @dataclass(frozen=True)

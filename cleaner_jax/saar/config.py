@@ -11,11 +11,9 @@ from typing import Literal
 from cleaner_jax import schema
 from cleaner_jax.saar.rules import MAX_TOOL_ENTRIES_BEFORE_DISABLE
 from cleaner_jax.saar.similarity import SimilarityMode
+from cleaner_jax.trajectory import SpliceCorrection
 
 LogprobMode = Literal["recompute", "rollout"]
-# How the learner treats spliced tokens (docs/estimators.md §3). The same choices are declared as
-# `cleaner_jax.rl.losses.SpliceCorrection` (rl/ may not import saar/); a test keeps them equal.
-SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 
 
 @dataclasses.dataclass(frozen=True)
