@@ -85,9 +85,11 @@ def test_gradients_match_torch_autograd(checkpoint, hf_model, remat):
 def test_cudnn_attention_on_cpu_fails_clearly(checkpoint):
     if jax.default_backend() == "gpu":
         pytest.skip("this checks the CPU error message")
-    model = qwen.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="cudnn")
-    with pytest.raises(RuntimeError, match=r"cudnn.*GPU.*'cpu'.*attention_impl='xla'"):
-        nnx.eval_shape(lambda m, x: m(x), model, jnp.asarray(IDS, jnp.int32))  # fails while tracing
+    # fails when the model is built, before anything is traced, naming the config key
+    with pytest.raises(RuntimeError, match=r"model\.attention_impl='cudnn'.*GPU.*'cpu'.*attention_impl='xla'"):
+        qwen.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="cudnn")
+    with pytest.raises(RuntimeError, match=r"model\.attention_impl='splash'.*TPU.*'cpu'.*attention_impl='xla'"):
+        qwen.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="splash")
 
 
 def test_bad_policy_values_are_rejected(checkpoint):

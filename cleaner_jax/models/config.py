@@ -12,7 +12,15 @@ from typing import Any, Literal
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "cudnn")
+# xla: the masked reference ([B, T, S] mask, f32 scores materialised; every path, every device).
+# The others serve the full-sequence (learner / prefill) path only, causal with per-row lengths
+# from a right-padded attention_mask, never a materialised mask or bias: cudnn = cuDNN flash
+# attention (NVIDIA GPU), splash = the Pallas splash kernel (TPU), xla_causal = the same
+# `jax.nn.dot_product_attention` call as cudnn with JAX's XLA implementation (any device; the
+# CPU stand-in that keeps the cudnn code path tested, scores materialised like xla).
+ATTENTION_IMPLS = ("xla", "cudnn", "xla_causal", "splash")
+# The JAX backend an attention implementation needs (None: any).
+ATTENTION_BACKENDS: dict[str, str | None] = {"xla": None, "cudnn": "gpu", "xla_causal": None, "splash": "tpu"}
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -45,8 +53,11 @@ class QwenConfig:
     # Run-time policy (not architecture).
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"
-    attention_impl: Literal["xla", "cudnn"] = "xla"
+    attention_impl: Literal["xla", "cudnn", "xla_causal", "splash"] = "xla"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # Decoder layers as one stacked module ([L, ...] parameters) run by `jax.lax.scan`: one layer
+    # body is traced and compiled instead of L copies. The HF checkpoint layout is unchanged.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
@@ -58,6 +69,8 @@ class QwenConfig:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -65,6 +78,17 @@ class QwenConfig:
             )
         if isinstance(self.eos_token_id, list):  # keep the config hashable
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse an attention implementation the JAX backend `backend` cannot run, at model build
+        time rather than deep inside the first traced step."""
+        needed = ATTENTION_BACKENDS[self.attention_impl]
+        if needed is not None and backend != needed:
+            what = {"gpu": "an NVIDIA GPU (cuDNN flash attention)", "tpu": "a TPU (Pallas splash attention)"}[needed]
+            raise RuntimeError(
+                f"model.attention_impl={self.attention_impl!r} needs {what} but JAX's backend is {backend!r}; "
+                f"use attention_impl='xla' (the default) or 'xla_causal' on {backend}"
+            )
 
     @property
     def num_groups(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Finite "minus infinity": a query whose keys are all masked (a left-pad position) gets a
 # uniform softmax instead of NaNs, as in HF.
@@ -67,10 +68,13 @@ def cached_mask(lengths: jax.Array, attention_mask: jax.Array | None, new_len: i
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str = "xla") -> jax.Array:
     """GQA attention. q [B, T, N, hd]; k, v [B, KV, S, hd] (the KV cache's layout); mask [B, T, S]
-    bool -> [B, T, N, hd]. `impl` is `QwenConfig.attention_impl`."""
-    if impl == "cudnn":
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, S, KV, hd], as cuDNN takes them
-        return _cudnn_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    bool -> [B, T, N, hd]. Only `impl="xla"`: an arbitrary mask (the KV-cache path) is what the
+    lengths-based kernels of `causal_attention` cannot express."""
+    if impl != "xla":
+        raise ValueError(
+            f"masked attention runs only with impl='xla', got {impl!r}; the kernels of model.attention_impl "
+            "serve the full-sequence path (layers.causal_attention), the KV-cache path stays XLA"
+        )
     return grouped_attention(q, k, v, mask)
 
 
@@ -92,16 +96,113 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     return out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
 
 
-def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise RuntimeError(
-            f"attention_impl='cudnn' needs an NVIDIA GPU but JAX's backend is {backend!r}; "
-            "use attention_impl='xla' (the default) on CPU/TPU"
-        )
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
+def right_padded_lengths(attention_mask: jax.Array) -> jax.Array:
+    """[B, T] right-padded 0/1 mask -> [B] int32 lengths, at least 1.
+
+    Assumes right padding (a prefix of ones per row; `check_right_padded` verifies a concrete
+    mask, `rl/batch.py` every learner batch). An all-padding row gets length 1 rather than 0:
+    with 0 its queries would have no key at all, where a kernel's softmax (and its backward) is
+    undefined; that row's outputs are padding, outside every loss, either way.
+    """
+    return jnp.maximum(attention_mask.sum(-1).astype(jnp.int32), 1)
+
+
+def check_right_padded(attention_mask: np.ndarray, impl: str) -> None:
+    """Raise unless every row of a concrete [B, T] mask is ones then zeros (what the lengths of
+    `right_padded_lengths` describe exactly)."""
+    m = np.asarray(attention_mask) > 0
+    bad = np.flatnonzero(np.any(m[:, 1:] & ~m[:, :-1], axis=-1))
+    if bad.size:
+        row = int(bad[0])
         raise ValueError(
-            f"attention_impl='cudnn' needs compute_dtype bfloat16 or float16, got {q.dtype}; "
-            "set compute_dtype or use attention_impl='xla'"
+            f"attention_mask row {row} is not right-padded ({m[row].astype(int).tolist()[:32]}...): "
+            f"model.attention_impl={impl!r} attends by per-row lengths, so padding must be on the right; "
+            "right-pad the batch or use attention_impl='xla' (any mask)"
         )
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array | None, impl: str) -> jax.Array:
+    """Causal GQA self-attention of right-padded rows without a materialised mask or bias.
+
+    q [B, T, N, hd]; k, v [B, T, KV, hd] (the projections' layout); lengths [B] int32 real tokens
+    per row (`right_padded_lengths`), None when every row is full -> [B, T, N, hd]. Query t < len
+    attends to keys s <= t, exactly as `grouped_attention` with `causal_mask`; outputs at padding
+    positions (t >= len) are unspecified. `impl` is `QwenConfig.attention_impl` (not "xla").
+    """
+    if impl == "splash":
+        return splash_attention(q, k, v, lengths)
+    implementation = {"cudnn": "cudnn", "xla_causal": "xla"}.get(impl)
+    if implementation is None:
+        raise ValueError(f"causal_attention: impl must be 'cudnn', 'xla_causal' or 'splash', got {impl!r}")
+    if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"model.attention_impl='cudnn' needs compute_dtype bfloat16 or float16, got {q.dtype}; "
+            "set model.compute_dtype or use attention_impl='xla'"
+        )
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True, query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths, implementation=implementation,
+    )
+
+
+SPLASH_BLOCK = 128  # the splash kernel's default tile (BlockSizes.get_default): T is padded to a multiple
+
+
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array | None, *, interpret: bool = False
+) -> jax.Array:
+    """`causal_attention` on TPU with JAX's Pallas splash kernel (`interpret=True` runs the same
+    kernel in the Pallas interpreter on any device, slowly: for tests).
+
+    Per-row lengths become segment ids (1 = real token, 0 = padding), "and"-ed with the static
+    causal mask, so a real token never sees padding and every padding query still has a key
+    (itself). GQA runs the kernel's MQA form once per KV head with its G query heads. T is
+    padded up to a multiple of the 128-token tile; the extra positions are padding too.
+
+    Under a mesh (`jax.set_mesh`, as the learner sets it) the kernel runs in a `shard_map`: rows
+    over `fsdp`, heads over `tp` (a Pallas call is opaque to the SPMD partitioner, which would
+    otherwise gather every row and head onto each device).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return _splash_local(q, k, v, lengths, interpret)
+    from jax.sharding import PartitionSpec as P
+
+    from cleaner_jax.models.sharding import FSDP, TP
+
+    for what, size, axis in (("rows", q.shape[0], FSDP), ("KV heads", k.shape[2], TP)):
+        if size % mesh.shape[axis]:
+            raise ValueError(f"model.attention_impl='splash' on a mesh: {size} {what} do not split over mesh axis "
+                             f"{axis!r} of size {mesh.shape[axis]}; choose a mesh whose axes divide them")
+    lengths = jnp.full((q.shape[0],), q.shape[1], jnp.int32) if lengths is None else lengths
+    heads = P(FSDP, None, TP, None)  # [B, T, heads, hd]: query heads and KV heads split alike
+    return jax.shard_map(
+        lambda q, k, v, n: _splash_local(q, k, v, n, interpret), mesh=mesh,
+        in_specs=(heads, heads, heads, P(FSDP)), out_specs=heads, check_vma=False,
+    )(q, k, v, lengths)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array | None, interpret: bool) -> jax.Array:
+    """`splash_attention` on the rows and heads of one device."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, n, hd = q.shape
+    kv = k.shape[2]
+    g = n // kv
+    tp = -(-t // SPLASH_BLOCK) * SPLASH_BLOCK
+    lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+    seg = (jnp.arange(tp)[None, :] < lengths[:, None]).astype(jnp.int32)  # [B, Tp] 1 = real
+    pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
+    qg = jnp.pad(q * jnp.asarray(hd**-0.5, q.dtype), pad)  # the kernel applies no scale
+    qg = qg.reshape(b, tp, kv, g, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, G, Tp, hd]
+    kg = jnp.pad(k, pad).transpose(0, 2, 1, 3)  # [B, KV, Tp, hd]
+    vg = jnp.pad(v, pad).transpose(0, 2, 1, 3)
+    mask = splash.MultiHeadMask([splash.CausalMask((tp, tp)) for _ in range(g)])
+    kernel = splash.make_splash_mqa_single_device(mask, interpret=interpret)
+
+    def row(q1, k1, v1, s1):  # q1 [KV, G, Tp, hd]; k1, v1 [KV, Tp, hd]; s1 [Tp]
+        ids = splash.SegmentIds(q=s1, kv=s1)
+        return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(q1, k1, v1)
+
+    out = jax.vmap(row)(qg, kg, vg, seg)  # [B, KV, G, Tp, hd]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, hd)[:, :t].astype(q.dtype)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -41,27 +45,31 @@ class ParamEntry:
     hf_name: str
     path: tuple[str | int, ...]  # NNX state path
     transpose: bool  # HF [out, in] <-> NNX [in, out]
+    layer: int | None = None  # scanned layers: the HF tensor is `array[layer]` of the stacked [L, ...] array at `path`
 
 
 def param_table(cfg: QwenConfig) -> list[ParamEntry]:
-    """Every parameter of `Qwen(cfg)`, in HF order."""
+    """Every parameter of `Qwen(cfg)`, in HF order. With `cfg.scan_layers` the L entries of one
+    layer parameter share the stacked array's path (('layers', 'mlp', 'up_proj', 'kernel'), no
+    layer index) and differ in `layer`; unrolled, the index is in the path (('layers', 3, ...))."""
     table = [ParamEntry("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
     for i in range(cfg.num_hidden_layers):
-        hf, nx = f"model.layers.{i}.", ("layers", i)
+        hf = f"model.layers.{i}."
+        nx, layer = (("layers",), i) if cfg.scan_layers else (("layers", i), None)
         table += [
-            ParamEntry(hf + "input_layernorm.weight", nx + ("input_layernorm", "weight"), False),
-            ParamEntry(hf + "post_attention_layernorm.weight", nx + ("post_attention_layernorm", "weight"), False),
+            ParamEntry(hf + "input_layernorm.weight", nx + ("input_layernorm", "weight"), False, layer),
+            ParamEntry(hf + "post_attention_layernorm.weight", nx + ("post_attention_layernorm", "weight"), False, layer),
         ]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table.append(ParamEntry(f"{hf}self_attn.{proj}.weight", nx + ("self_attn", proj, "kernel"), True))
+            table.append(ParamEntry(f"{hf}self_attn.{proj}.weight", nx + ("self_attn", proj, "kernel"), True, layer))
             bias = cfg.o_proj_bias if proj == "o_proj" else cfg.attention_bias
             if bias:
-                table.append(ParamEntry(f"{hf}self_attn.{proj}.bias", nx + ("self_attn", proj, "bias"), False))
+                table.append(ParamEntry(f"{hf}self_attn.{proj}.bias", nx + ("self_attn", proj, "bias"), False, layer))
         if cfg.qk_norm:
             for norm in ("q_norm", "k_norm"):
-                table.append(ParamEntry(f"{hf}self_attn.{norm}.weight", nx + ("self_attn", norm, "weight"), False))
+                table.append(ParamEntry(f"{hf}self_attn.{norm}.weight", nx + ("self_attn", norm, "weight"), False, layer))
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            table.append(ParamEntry(f"{hf}mlp.{proj}.weight", nx + ("mlp", proj, "kernel"), True))
+            table.append(ParamEntry(f"{hf}mlp.{proj}.weight", nx + ("mlp", proj, "kernel"), True, layer))
     table.append(ParamEntry("model.norm.weight", ("norm", "weight"), False))
     if not cfg.tie_word_embeddings:
         table.append(ParamEntry("lm_head.weight", ("lm_head", "kernel"), True))
@@ -141,20 +149,29 @@ def load_model(
     np_dtype = _NP_DTYPES[cfg.param_dtype]
     device = jax.local_devices()[0]
     pure: dict[Any, Any] = {}
+    by_path: dict[tuple[Any, ...], list[ParamEntry]] = {}
+    for e in table:  # one array per path: L entries (layer 0..L-1, in order) for a stacked one
+        by_path.setdefault(e.path, []).append(e)
     with _open_all({files[e.hf_name] for e in table}) as handles:
-        for e in table:
-            shape = shapes[e.path]
-            f = files[e.hf_name]
-            tensor = handles[f].get_slice(e.hf_name)
-            hf_shape = tuple(tensor.get_shape())
-            expected = shape[::-1] if e.transpose else shape
-            if hf_shape != expected:
-                raise ValueError(f"{f}: tensor {e.hf_name} has shape {hf_shape}, config.json implies {expected}")
+        for path, entries in by_path.items():
+            shape = shapes[path]
+            stacked = entries[0].layer is not None
+            one = shape[1:] if stacked else shape  # one HF tensor's NNX shape
+            tensors = []
+            for e in entries:
+                f = files[e.hf_name]
+                tensor = handles[f].get_slice(e.hf_name)
+                hf_shape = tuple(tensor.get_shape())
+                expected = one[::-1] if e.transpose else one
+                if hf_shape != expected:
+                    raise ValueError(f"{f}: tensor {e.hf_name} has shape {hf_shape}, config.json implies {expected}")
+                tensors.append(tensor)
             target = (
-                sharding.param_sharding(e.path, shape, mesh) if mesh is not None else jax.sharding.SingleDeviceSharding(device)
+                sharding.param_sharding(path, shape, mesh) if mesh is not None else jax.sharding.SingleDeviceSharding(device)
             )
-            array = jax.make_array_from_callback(shape, target, _slice_reader(tensor, e.transpose, np_dtype))
-            _set_nested(pure, e.path, array)
+            transpose = entries[0].transpose
+            reader = _stacked_reader(tensors, transpose, np_dtype) if stacked else _slice_reader(tensors[0], transpose, np_dtype)
+            _set_nested(pure, path, jax.make_array_from_callback(shape, target, reader))
     nnx.replace_by_pure_dict(abstract_state, pure)
     return nnx.merge(graphdef, abstract_state)
 
@@ -171,6 +188,23 @@ def _slice_reader(tensor: Any, transpose: bool, np_dtype: Any):
     return read
 
 
+def _stacked_reader(tensors: list[Any], transpose: bool, np_dtype: Any):
+    """Callback for a stacked [L, ...] array: the requested block of layers `index[0]`, each
+    read as `_slice_reader` reads one tensor (so a device still reads only what it owns)."""
+    per_layer = [_slice_reader(t, transpose, np_dtype) for t in tensors]
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        return np.stack([per_layer[i](tuple(index[1:])) for i in range(len(tensors))[index[0]]])
+
+    return read
+
+
+def _entry_value(state: nnx.State, e: ParamEntry) -> jax.Array:
+    """The array HF tensor `e.hf_name` holds: the state's array at `e.path`, or its layer `e.layer`."""
+    value = _get_nested(state, e.path)
+    return value if e.layer is None else value[e.layer]
+
+
 def _set_nested(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -184,17 +218,33 @@ def _get_nested(state: nnx.State, path: tuple[Any, ...]) -> jax.Array:
     return node.get_value() if isinstance(node, nnx.Variable) else node
 
 
+class NonFiniteWeightsError(ValueError):
+    """A parameter holds NaN or Inf: exporting it would make every server serve NaN log-probs."""
+
+
 def save_model(
-    model: Qwen, out_dir: Path, *, tokenizer_from: str | Path | None = None, max_shard_bytes: int = 5 * 2**30
+    model: Qwen, out_dir: Path, *, tokenizer_from: str | Path | None = None, max_shard_bytes: int = 5 * 2**30,
+    dtype: str | None = None, timings: dict[str, float] | None = None,
 ) -> Path:
     """Write HF safetensors (index-sharded above `max_shard_bytes`) + config.json to `out_dir`.
 
-    Sharded arrays are gathered to host one tensor at a time, and each output file is written
-    before the next one is gathered, so host memory peaks at about one output file.
+    `dtype` (a `_NP_DTYPES` name; None = the model's param dtype) is the dtype of the written
+    tensors: a server that serves in that dtype loads the same values it would have rounded to
+    itself from a wider export. Every parameter is checked finite before anything is written
+    (`NonFiniteWeightsError` names the tensor). The cast and the `[in, out]` -> `[out, in]`
+    transpose run on the device; sharded arrays are then gathered to host one tensor at a time,
+    and each output file is written before the next one is gathered, so host memory peaks at
+    about one output file. `timings`, when given, gets `gather_s` (device work + transfer) and
+    `write_s` (files) added.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [out_dir / INDEX, *out_dir.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)  # a previous save's shards would shadow this one
+    export_dtype = model.config.param_dtype if dtype is None else dtype
+    if export_dtype not in _NP_DTYPES:
+        raise ValueError(f"save_model: dtype {export_dtype!r} is not one of {sorted(_NP_DTYPES)}")
+    t_gather = t_write = 0.0
+    t0 = time.perf_counter()
+    _check_finite(model)
+    t_gather += time.perf_counter() - t0
+    final_dir, out_dir = out_dir, partial_dir(out_dir)  # written whole, then renamed: commit_dir
     cfg = model.config
     state = nnx.state(model, nnx.Param)
     table = param_table(cfg)
@@ -202,7 +252,7 @@ def save_model(
     groups: list[list[ParamEntry]] = [[]]
     size = 0
     for e in table:
-        nbytes = int(np.prod(_get_nested(state, e.path).shape)) * np.dtype(_NP_DTYPES[cfg.param_dtype]).itemsize
+        nbytes = int(np.prod(_get_nested(state, e.path).shape[e.layer is not None:])) * np.dtype(_NP_DTYPES[export_dtype]).itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -215,19 +265,58 @@ def save_model(
     total = 0
     for fname, group in zip(names, groups):
         tensors = {}
+        t0 = time.perf_counter()
         for e in group:
-            arr = np.asarray(jax.device_get(_get_nested(state, e.path)))
-            tensors[e.hf_name] = np.ascontiguousarray(arr.T if e.transpose else arr)
+            arr = np.asarray(jax.device_get(_to_hf_layout(_entry_value(state, e), e.transpose, export_dtype)))
+            tensors[e.hf_name] = np.ascontiguousarray(arr)
             weight_map[e.hf_name] = fname
             total += tensors[e.hf_name].nbytes
+        t1 = time.perf_counter()
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        t_gather += t1 - t0
+        t_write += time.perf_counter() - t1
+        del tensors
     if len(groups) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX).write_text(json.dumps(index, indent=2))
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    hf_config = cfg.to_hf()
+    hf_config["torch_dtype"] = hf_config["dtype"] = export_dtype  # what the tensors are stored in
+    t0 = time.perf_counter()
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    t_write += time.perf_counter() - t0
+    if timings is not None:
+        timings["gather_s"] = timings.get("gather_s", 0.0) + t_gather
+        timings["write_s"] = timings.get("write_s", 0.0) + t_write
     if tokenizer_from is not None:
         _copy_tokenizer(Path(tokenizer_from), out_dir)
-    return out_dir
+    return commit_dir(out_dir, final_dir)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _to_hf_layout(x: jax.Array, transpose: bool, dtype: str) -> jax.Array:
+    """NNX `[in, out]` -> HF `[out, in]` and the export dtype, on the device that holds `x`."""
+    x = x.astype(jnp.dtype(dtype))
+    return x.T if transpose else x
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves])  # [num tensors] bool
+
+
+def _check_finite(model: Qwen) -> None:
+    """Raise NonFiniteWeightsError naming every parameter with a NaN or Inf (checked on device,
+    one small transfer)."""
+    state = nnx.state(model, nnx.Param)
+    table = param_table(model.config)
+    leaves = [_entry_value(state, e) for e in table]
+    ok = np.asarray(jax.device_get(_all_finite(leaves)))
+    bad = [e.hf_name for e, good in zip(table, ok) if not good]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{len(bad)} parameter(s) hold NaN or Inf, first {bad[:4]}: not exported, since every server would "
+            "serve them (as null log-probs). The learner's update produced them: lower optim.lr or tighten "
+            "optim.grad_clip, and resume from the last checkpoint")
 
 
 def _copy_tokenizer(src: Path, out_dir: Path) -> None:
@@ -237,3 +326,49 @@ def _copy_tokenizer(src: Path, out_dir: Path) -> None:
     for name in present:
         if (src / name).resolve() != (out_dir / name).resolve():
             shutil.copyfile(src / name, out_dir / name)
+
+
+# ---- atomic directory writes (docs/reliability.md, row 3) ---------------------------------------
+# A model directory (an export for the rollout servers, the warm start, the toy run's initial
+# checkpoint) is written in a hidden sibling and renamed into place, so that a process killed
+# while writing never leaves a torn directory under the final name: readers (a resumed run, a
+# server, `evaluate`) see the old directory, the new one, or none.
+
+
+def partial_dir(final: Path) -> Path:
+    """A fresh, empty directory beside `final` (same file system, so the rename is atomic) to
+    write `final` in; one left by a killed writer of the same `final` is removed first."""
+    tmp = final.parent / f".{final.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, final: Path) -> Path:
+    """Make the directory written as `tmp` (`partial_dir`) appear as `final`, whole: fsync its
+    files and itself, then rename. An existing `final` is first renamed to `.<name>.replaced`
+    and removed afterwards, so a kill between the two renames leaves `final` absent (written
+    again by whoever needs it), never half old and half new."""
+    for root, _dirs, files in os.walk(tmp):
+        for name in files:
+            _fsync(Path(root) / name)
+    _fsync(tmp)
+    old = final.parent / f".{final.name}.replaced"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

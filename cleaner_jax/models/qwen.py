@@ -9,6 +9,12 @@ Every projection, the LM head and attention run through an `ops` argument (`mode
 plain XLA einsums by default; the rollout engine passes its decode backend there. The model
 itself has one code path for every device.
 
+Full-sequence attention (no cache: the learner, prefill) runs the kernel `config.attention_impl`
+names: "xla" masks [B, T, T]; the others (cuDNN flash on GPU, splash on TPU) are causal with
+per-row lengths of the right-padded `attention_mask` and never build a mask. The KV-cache path
+always uses XLA attention. With `config.scan_layers` the decoder layers are one module with
+stacked [L, ...] parameters, run by `jax.lax.scan` over the stacked state with the remat policy inside the scanned body.
+
 Dtype policy: parameters are stored in `config.param_dtype`, activations run in
 `config.compute_dtype`, attention softmax, RMSNorm statistics and logits are float32.
 
@@ -112,7 +118,8 @@ class Attention(nnx.Module):
         shape: tuple[int, int],  # (B, T)
         cos: jax.Array,  # [B, T, hd]
         sin: jax.Array,
-        mask: jax.Array,  # [B, T, S] bool
+        mask: jax.Array | None,  # [B, T, S] bool (attention_impl "xla" or a cache), else None
+        lengths: jax.Array | None,  # [B] int32 real tokens per right-padded row (the other impls)
         kv: tuple[jax.Array, jax.Array] | None,  # this layer's cache: k, v [B, KV, S, hd]
         slots: jax.Array | None,  # [B, T] cache slots of the new tokens
         ops: Ops,
@@ -125,6 +132,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        if kv is None and cfg.attention_impl != "xla":  # causal + lengths: no [B, T, T] mask or bias
+            out = ops.causal_attention(q, k, v, lengths, cfg.attention_impl)  # [B, T, N, hd]
+            return self.o_proj(out.reshape(b * t, -1), ops), None
         if kv is None:
             keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
         else:
@@ -134,7 +144,9 @@ class Attention(nnx.Module):
             # size the cache for prompt + new tokens.
             kv = tuple(c.at[rows, :, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
             keys, values = kv[0].astype(x.dtype), kv[1].astype(x.dtype)  # [B, KV, S, hd]
-        out = ops.attention(q, keys, values, mask, cfg.attention_impl)  # [B, T, N, hd]
+        # The cache (decode) path keeps XLA attention whatever attention_impl says: its mask is
+        # not a causal-plus-length pattern (a row's new tokens sit after its cached prefix).
+        out = ops.attention(q, keys, values, mask, "xla")  # [B, T, N, hd]
         return self.o_proj(out.reshape(b * t, -1), ops), kv
 
 
@@ -155,10 +167,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, shape, cos, sin, mask, kv, slots, ops: Ops):
+    def __call__(self, x, shape, cos, sin, mask, lengths, kv, slots, ops: Ops):
         """x: the residual stream as [B*T, H] (2-D activations keep the backward's weight
         gradients plain [H, B*T] x [B*T, F] matmuls)."""
-        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, kv, slots, ops)
+        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, lengths, kv, slots, ops)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x), ops), kv
 
@@ -168,11 +180,22 @@ class Qwen(nnx.Module):
 
     def __init__(self, config: QwenConfig, *, rngs: nnx.Rngs):
         cfg = self.config = config
+        cfg.check_backend(jax.default_backend())
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
             embedding_init=_INIT, rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        if cfg.scan_layers:
+            # One DecoderLayer whose every parameter has a leading [L] axis (nnx.vmap over the
+            # constructor), run by lax.scan in `hidden_states`.
+            @nnx.split_rngs(splits=cfg.num_hidden_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(r: nnx.Rngs) -> DecoderLayer:
+                return DecoderLayer(cfg, r)
+
+            self.layers = stacked(rngs)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
@@ -226,11 +249,16 @@ class Qwen(nnx.Module):
         """Like `__call__` but returns final-normed hidden states [B, T, H] in the compute dtype."""
         cfg = self.config
         b, t = input_ids.shape
+        mask = lengths = slots = None
         if cache is None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            mask = layers.causal_mask(attention_mask, b, t)  # [B, T, T]
-            slots = None
+            if cfg.attention_impl == "xla":
+                mask = layers.causal_mask(attention_mask, b, t)  # [B, T, T]
+            elif attention_mask is not None:
+                if not isinstance(attention_mask, jax.core.Tracer):  # checkable only outside tracing
+                    layers.check_right_padded(attention_mask, cfg.attention_impl)
+                lengths = layers.right_padded_lengths(attention_mask)  # [B]
         else:
             slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
             if positions is None:
@@ -240,25 +268,61 @@ class Qwen(nnx.Module):
         cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         run = self._layer_fn((b, t), ops)
         new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv = run(layer, x, cos, sin, mask, kv, slots)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+        if cfg.scan_layers and cache is None:
+            # a plain lax.scan over the stacked state (not nnx.scan): NNX transforms refuse modules
+            # merged inside a pure JAX transform, as the learner's lax.map over micro-batches does
+            graphdef, stacked = nnx.split(self.layers)  # leaves [L, ...]
+
+            def through_layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+                return run(nnx.merge(graphdef, state), x, cos, sin, mask, lengths, None, None)[0], None
+
+            x, _ = jax.lax.scan(through_layer, x, stacked)
+        else:
+            for i, layer in enumerate(self._unrolled_layers()):
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+                x, kv = run(layer, x, cos, sin, mask, lengths, kv, slots)
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
         h = self.norm(x).reshape(b, t, cfg.hidden_size)
         if cache is None:
             return h
         added = t if attention_mask is None else attention_mask.sum(-1).astype(jnp.int32)
         return h, KVCache(tuple(new_k), tuple(new_v), cache.lengths + added)
 
+    def _unrolled_layers(self) -> list[DecoderLayer]:
+        """The decoder layers one by one. Scanned layers are sliced out of the stack: the KV-cache
+        path (rollout decode, re-scoring) keeps one cache array per layer (see `KVCache`), and the
+        engine loads unrolled models anyway, so only a cache call on a scanned model pays the slices."""
+        if not self.config.scan_layers:
+            return list(self.layers)
+        graphdef, state = nnx.split(self.layers)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.config.num_hidden_layers)]
+
     def _layer_fn(self, shape: tuple[int, int], ops: Ops):
-        def run(layer: DecoderLayer, x, cos, sin, mask, kv, slots):
-            return layer(x, shape, cos, sin, mask, kv, slots, ops)
+        def run(layer: DecoderLayer, x, cos, sin, mask, lengths, kv, slots):
+            return layer(x, shape, cos, sin, mask, lengths, kv, slots, ops)
 
         if self.config.remat == "none":
             return run
-        return nnx.remat(run, policy=_REMAT_POLICIES[self.config.remat])
+        # Inside a scan the loop boundary already keeps XLA from merging the recomputation with
+        # the forward, so CSE prevention (extra optimisation barriers) is only needed unrolled.
+        policy, prevent_cse = _REMAT_POLICIES[self.config.remat], not self.config.scan_layers
+
+        # jax.checkpoint over the layer's split state rather than nnx.remat: nnx.remat writes the
+        # module's variables back after the call, which fails ("Cannot mutate Param from a different
+        # trace level") when the layer was merged inside a pure JAX transform such as the
+        # learner's lax.map over log-prob micro-batches. A decoder layer mutates nothing.
+        def remat_run(layer: DecoderLayer, x, cos, sin, mask, lengths, kv, slots):
+            graphdef, state = nnx.split(layer)
+
+            def pure(state, x, cos, sin, mask, lengths, kv, slots):
+                return run(nnx.merge(graphdef, state), x, cos, sin, mask, lengths, kv, slots)
+
+            return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, cos, sin, mask, lengths,
+                                                                                kv, slots)
+
+        return remat_run
 
 
 def from_pretrained(

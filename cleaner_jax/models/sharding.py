@@ -5,6 +5,7 @@ sharded for FSDP (`fsdp`): q/k/v/gate/up kernels `[H, out]` -> (fsdp, tp); o/dow
 `[in, H]` -> (tp, fsdp); the embedding `[V, H]` -> (tp, fsdp); norms are replicated. The batch
 is split over `fsdp`. The rules are keyed by the parameter's NNX path, so the model code
 carries no sharding metadata and one table serves loading, training and checkpointing.
+Scanned decoder layers add a leading, replicated [L] axis to their rules (`param_spec`).
 """
 from __future__ import annotations
 
@@ -48,11 +49,24 @@ def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device] | None = None) -
 
 
 def param_spec(path: Sequence[Any]) -> P:
-    """PartitionSpec of the parameter at NNX path `path` (e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel'))."""
+    """PartitionSpec of the parameter at NNX path `path` (e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')).
+
+    Scanned layers (`QwenConfig.scan_layers`) are one module whose arrays carry a leading [L]
+    axis, at paths without a layer index (('layers', 'mlp', 'up_proj', 'kernel')): that axis is
+    replicated (None) and the rule applies to the rest, so each device holds the same
+    per-layer shard it would hold unrolled and the scan slices a layer without communication.
+    """
     key = tuple(str(p) for p in path[-2:])
     if key not in _RULES:
         raise KeyError(f"no sharding rule for parameter {'.'.join(map(str, path))}; add one to sharding._RULES")
+    if is_stacked_layer(path):
+        return P(None, *_RULES[key])
     return _RULES[key]
+
+
+def is_stacked_layer(path: Sequence[Any]) -> bool:
+    """Whether `path` is a parameter of scanned (stacked [L, ...]) decoder layers."""
+    return len(path) > 1 and str(path[0]) == "layers" and not isinstance(path[1], int)
 
 
 def param_sharding(path: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
