@@ -20,6 +20,14 @@ without it (`cleaner_jax.rl.loss_scale`), and every rollout-IS and splice-correc
 schema allows (the values of `LossConfig.tis`, `tis_mode` and `splice_correction`, read at run
 time) vs the plain step. The batch carries every optional learner field (rollout and behaviour
 log-probs, splice kinds, correctness), so every variant runs on the same inputs.
+
+`--padding` measures length bucketing (`algo.bucket_widths`, `cleaner_jax.rl.batch`) against
+today's single padded width on a long-tailed length distribution like the paper's (responses
+lognormal, clipped to 1k-20,480 tokens, prompts 256-2,048): first with NumPy for the paper's
+128 x 16 rows per step (4 mini-batches, micro-batches of 4) over many steps: padded-token
+fraction, padded attention work (sum of width^2), distinct compiled widths; then measured on
+the toy model on CPU with the same distribution scaled down 64x (padded fraction from the
+learner's metric, XLA compiles counted by JAX's monitoring events, time per step).
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ import numpy as np
 import torch
 
 from cleaner_jax.models import qwen
-from cleaner_jax.rl.batch import Batch
+from cleaner_jax.rl.batch import Batch, bucket_widths, plan_micro_batches
 from cleaner_jax.rl import learner as learner_mod
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
@@ -279,6 +287,137 @@ def main_overhead(names: list[str], steps: int, rounds: int) -> None:
             print(f"{group:<14}{variant:<40}{sec:>10.4f}{100 * over:>+9.1f}%")
 
 
+# ----------------------------------------------------------------------------- padding and compiles
+
+PAPER = dict(rows=128 * 16, mini_batches=4, micro=4, budget=2560 + 20480, width_bucket=128)
+TOY_SCALE = 64  # the toy measurement divides every length and width by this
+
+
+def paper_lengths(rng: np.random.Generator, n: int, scale: int = 1, median: float = 4000.0,
+                  sigma: float = 0.9) -> np.ndarray:
+    """Row lengths (prompt + response): responses lognormal (default median 4,000 tokens, sigma
+    0.9: a few percent hit the cap), clipped to [1,024, 20,480]; prompts uniform in [256, 2,048]."""
+    response = np.clip(rng.lognormal(np.log(median), sigma, n), 1024, 20480)
+    prompt = rng.integers(256, 2049, n)
+    return np.maximum(np.round((response + prompt) / scale), 2).astype(np.int64)
+
+
+def padded_plan(lengths: np.ndarray, mini_batches: int, micro: int, widths: tuple[int, ...],
+                width_bucket: int) -> list[tuple[int, int]]:
+    """(rows, width) of every micro-batch of one RL step: bucketed (widths) or today's padding
+    (every row at the step's longest rounded up to width_bucket; widths = ())."""
+    if not widths:
+        w = -(-int(lengths.max()) // width_bucket) * width_bucket
+        return [(micro, w)] * (len(lengths) // micro)
+    per = len(lengths) // mini_batches
+    return [(len(rows), w) for k in range(mini_batches)
+            for rows, w in plan_micro_batches(lengths[k * per:(k + 1) * per], micro, widths)]
+
+
+def padding_analysis(steps: int, seed: int = 0, drift: bool = False) -> dict[str, dict[str, float]]:
+    """NumPy at paper scale: padded-token and padded-attention fractions, distinct widths.
+    drift: responses grow during training (median 1,500 -> 6,000 tokens, sigma 0.6), so the
+    longest row of a step moves instead of sitting at the cap."""
+    rng = np.random.default_rng(seed)
+    p = PAPER
+    variants = {"padded (off)": (), "pow2": bucket_widths("pow2", p["budget"]),
+                "finer (x1.5)": (1024, 1536, 2304, 3456, 5184, 7776, 11648, 17472, 23040)}
+    acc = {k: {"real": 0.0, "slots": 0.0, "real2": 0.0, "slots2": 0.0, "widths": set()} for k in variants}
+    for step in range(steps):
+        if drift:
+            lengths = paper_lengths(rng, p["rows"], median=1500 * 4 ** (step / max(steps - 1, 1)), sigma=0.6)
+        else:
+            lengths = paper_lengths(rng, p["rows"])
+        for name, widths in variants.items():
+            plan = padded_plan(lengths, p["mini_batches"], p["micro"], widths, p["width_bucket"])
+            a = acc[name]
+            a["real"] += lengths.sum()
+            a["real2"] += float(np.sum(lengths.astype(np.float64) ** 2))
+            a["slots"] += sum(r * w for r, w in plan)
+            a["slots2"] += sum(r * float(w) ** 2 for r, w in plan)
+            a["widths"] |= {w for _, w in plan}
+    return {k: {"padded_frac": 1 - a["real"] / a["slots"], "slots_per_real": a["slots"] / a["real"],
+                "attn_padded_frac": 1 - a["real2"] / a["slots2"], "distinct_widths": len(a["widths"]),
+                "num_widths_allowed": len(variants[k])} for k, a in acc.items()}
+
+
+class CompileCounter:
+    """XLA backend compiles and their seconds, from JAX's monitoring events."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+            self.seconds += duration
+
+
+def toy_padding_run(steps: int, widths: str, counter: CompileCounter, seed: int = 0) -> dict[str, float]:
+    """`steps` RL-like steps on the toy model (old log-probs, then the mini-batch updates) with
+    the paper's lengths scaled down; lengths drawn afresh each step, the same for every variant."""
+    rows, minis, micro, wb = 32, 2, 4, PAPER["width_bucket"] // TOY_SCALE
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(tmp, "qwen3", max_position_embeddings=512)
+        learner = Learner(qwen.from_pretrained(path), LearnerConfig(
+            optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0), micro_batch_size=micro,
+            logprob_micro_batch_size=micro, logprob_chunk_size=64, bucket_widths=widths))
+        rng = np.random.default_rng(seed)
+        c0, s0 = counter.count, counter.seconds
+        times, fracs = [], []
+        for _ in range(steps):
+            lengths = paper_lengths(rng, rows, TOY_SCALE)
+            width = -(-int(lengths.max()) // wb) * wb
+            ids = rng.integers(3, 512, size=(rows, width)).astype(np.int32)
+            attn = (np.arange(width)[None] < lengths[:, None]).astype(np.float32)
+            loss = attn.copy()
+            loss[:, :4] = 0
+            batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=loss,
+                          advantages=rng.normal(size=rows).astype(np.float32))
+            t0 = time.perf_counter()
+            batch = learner.add_old_logprobs(batch)
+            per = rows // minis
+            for k in range(minis):
+                fracs.append(learner.train_step(batch.rows(slice(k * per, (k + 1) * per)))["padded_token_frac"])
+            times.append(time.perf_counter() - t0)
+    return {"compiles": counter.count - c0, "compile_s": counter.seconds - s0, "padded_frac": float(np.mean(fracs)),
+            "total_s": sum(times), "median_step_s": statistics.median(times)}
+
+
+def main_padding(steps: int, toy_steps: int) -> None:
+    p = PAPER
+    for drift in (False, True):
+        print(f"paper scale (NumPy): {p['rows']} rows/step, {p['mini_batches']} mini-batches, micro-batches of "
+              f"{p['micro']}, budget {p['budget']}, {steps} steps, "
+              + ("responses growing (median 1.5k -> 6k, sigma 0.6)" if drift else "responses median 4k, sigma 0.9"))
+        print(f"{'variant':<16}{'widths':>8}{'used':>6}{'padded tok':>12}{'slots/real':>12}{'padded attn':>13}")
+        res = padding_analysis(steps, drift=drift)
+        for name, r in res.items():
+            print(f"{name:<16}{r['num_widths_allowed'] or '-':>8}{r['distinct_widths']:>6}"
+                  f"{100 * r['padded_frac']:>11.1f}%{r['slots_per_real']:>12.2f}{100 * r['attn_padded_frac']:>12.1f}%")
+        off, on = res["padded (off)"], res["pow2"]
+        # the real work is the same, so the ratio of slots is the ratio of (1 - padded fraction)
+        print(f"pow2 vs off: {off['slots_per_real'] / on['slots_per_real']:.2f}x fewer token slots, "
+              f"{(1 - on['attn_padded_frac']) / (1 - off['attn_padded_frac']):.2f}x less attention work (T^2), "
+              f"compiled widths {off['distinct_widths']} -> {on['distinct_widths']} (at most "
+              f"{on['num_widths_allowed']} whatever the data)\n")
+    print(f"toy model on CPU, lengths / {TOY_SCALE}, 32 rows/step, 2 mini-batches, micro-batches of 4, "
+          f"{toy_steps} steps, jax {jax.__version__}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    counter = CompileCounter()
+    toy_widths = ",".join(str(max(w // TOY_SCALE, 2)) for w in bucket_widths("pow2", p["budget"]))
+    runs = {"padded (off)": toy_padding_run(toy_steps, "", counter), f"pow2/{TOY_SCALE} ({toy_widths})":
+            toy_padding_run(toy_steps, toy_widths, counter)}
+    print(f"{'variant':<40}{'compiles':>9}{'compile s':>10}{'padded tok':>12}{'total s':>9}{'median step s':>15}")
+    for name, r in runs.items():
+        print(f"{name:<40}{r['compiles']:>9}{r['compile_s']:>10.1f}{100 * r['padded_frac']:>11.1f}%{r['total_s']:>9.1f}"
+              f"{r['median_step_s']:>15.2f}")
+    a, b = runs.values()
+    print(f"bucketed vs off: padded fraction {100 * a['padded_frac']:.1f}% -> {100 * b['padded_frac']:.1f}%, compiles "
+          f"{a['compiles']} -> {b['compiles']} ({a['compiles'] / max(b['compiles'], 1):.2f}x), total time "
+          f"{a['total_s'] / b['total_s']:.2f}x, median step {a['median_step_s'] / b['median_step_s']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="toy,30m", help=f"comma-separated subset of {sorted(CONFIGS)}")
@@ -287,10 +426,17 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true",
                     help="time loss scaling and every correction mode against the plain step (no torch)")
     ap.add_argument("--tiny", action="store_true", help="only the toy shape (quick, CPU): --configs toy")
+    ap.add_argument("--padding", action="store_true",
+                    help="padded-token fraction and compiles, bucketed vs padded (NumPy at paper scale, toy on CPU)")
+    ap.add_argument("--padding-steps", type=int, default=200, help="--padding: RL steps of the NumPy analysis")
+    ap.add_argument("--toy-steps", type=int, default=8, help="--padding: RL steps of the toy measurement")
     ap.add_argument("--torch-worker", nargs=3, metavar=("CKPT", "BATCH_NPZ", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_worker:
         torch_worker(args.torch_worker[0], args.torch_worker[1], int(args.torch_worker[2]))
+        return
+    if args.padding:
+        main_padding(args.padding_steps, args.toy_steps)
         return
     names = ["toy"] if args.tiny else args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]

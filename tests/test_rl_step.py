@@ -127,10 +127,10 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), family="qwen3", seed=0)
 
 
-def learner_of(ckpt):
+def learner_of(ckpt, bucket_widths="", eps=1e-8):
     return Learner(qwen.from_pretrained(ckpt), LearnerConfig(
-        optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0), micro_batch_size=2,
-        logprob_micro_batch_size=2, logprob_chunk_size=32))
+        optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0, eps=eps), micro_batch_size=2,
+        logprob_micro_batch_size=2, logprob_chunk_size=32, bucket_widths=bucket_widths))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "rollout"])
@@ -213,6 +213,44 @@ def test_old_logprobs_per_episode_are_the_responses_slices(ckpt, mode):
             want = t.rollout_logprobs
         assert old[i].shape == (len(t.response_ids),)
         np.testing.assert_allclose(old[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rl_step_with_length_buckets_equals_the_padded_step(ckpt):
+    """The same step through a bucketed learner (rows of 8, 11, 6, 5 and 13 tokens: widths 8
+    and 16 instead of one padded width of 128): the recomputed old log-probs, every metric
+    and the parameters after the two updates agree; only the padding differs."""
+    s = [
+        scored("a", 0, episode([5, 6, 7], [10, 11, 12, 13, 14]), 1.0),
+        scored("a", 0, episode([5, 6, 7], [20, 21], obs=[30, 31, 32], turn2=[22, 23, 24]), -1.0),
+        scored("b", 1, episode([8, 9], [50, 51, 52, 53]), 1.0),
+        scored("b", 1, episode([8, 9], [54, 55, 56]), -1.0),
+        scored("c", 2, episode([8, 9], [20, 21], obs=[30, 31, 32], turn2=[22, 23, 24, 25, 26, 27]), 1.0),
+        scored("c", 2, None, float("nan"), error="rollout: server unreachable"),
+    ]
+    cfg = StepConfig(max_response_tokens=64, mini_batches=2, old_logprobs="recompute")
+    # Adam eps 1e-4: with 1e-8 rounding noise in a near-zero gradient becomes a step of up to lr
+    padded, bucketed = learner_of(ckpt, eps=1e-4), learner_of(ckpt, "8,16,128", eps=1e-4)
+    m_pad, old_pad = rl_step_with_old_logprobs(padded, s, cfg)
+    m_bkt, old_bkt = rl_step_with_old_logprobs(bucketed, s, cfg)
+    assert m_pad.keys() == m_bkt.keys()
+    for k in m_pad:
+        if k != "learner/padded_token_frac":
+            assert m_bkt[k] == pytest.approx(m_pad[k], rel=1e-4, abs=1e-6, nan_ok=True), k
+    # 5 valid rows + 3 fillers (copies of row 0, 8 tokens) make 8 = a multiple of 2 micro x 2 mini;
+    # padded: every row at 128; bucketed: each mini-batch's sorted pairs at 8 or 16
+    lengths = np.array([8, 11, 6, 5, 13, 8, 8, 8])
+    want_pad = 1 - lengths.sum() / (8 * 128)
+    pairs = [np.sort(lengths[:4]).reshape(2, 2), np.sort(lengths[4:]).reshape(2, 2)]
+    slots = [2 * sum(8 if p.max() <= 8 else 16 for p in mini) for mini in pairs]
+    want_bkt = np.mean([1 - lengths[:4].sum() / slots[0], 1 - lengths[4:].sum() / slots[1]])
+    assert m_pad["learner/padded_token_frac"] == pytest.approx(want_pad)
+    assert m_bkt["learner/padded_token_frac"] == pytest.approx(want_bkt)
+    for a, b in zip(old_pad, old_bkt):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(b, a, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(padded.params), jax.tree.leaves(bucketed.params)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=2e-6)
 
 
 class FakeLearner:

@@ -1,5 +1,6 @@
 """The learner's input batch: one typed pytree, built from trajectories, validated, split into
-micro-batches and placed on the mesh.
+micro-batches (strided at one width, or length-bucketed: `plan_micro_batches`, see the section
+below) and placed on the mesh.
 
 One row per trajectory, right-padded; index t is token t of `prompt ++ response`:
 
@@ -192,3 +193,108 @@ def place_batch(tree: Tree, mesh: Mesh | None) -> Tree:
         raise ValueError(f"learner batch: batch size {b} is not divisible by the fsdp mesh axis ({mesh.shape[FSDP]})")
     rows = NamedSharding(mesh, BATCH_SPEC)
     return jax.tree.map(lambda v: jax.device_put(v, rows), tree)
+
+
+# ----------------------------------------------------------------------------- length bucketing
+#
+# Padding every row of a mini-batch to its longest row wastes most tokens on a long-tailed
+# length distribution (1k-20k tokens in the authors' runs), and every new width is a new XLA
+# compile of the whole train step. Bucketing sorts a mini-batch's rows by length, cuts the
+# sorted rows into micro-batches and pads each to the smallest width of a small fixed set, so
+# the compiled shapes are bounded by the set, whatever the data. It is preferred over packing
+# several sequences per row because each row stays one sequence: it composes with cuDNN's
+# flash attention given `is_causal` and per-row lengths (no segment ids, no block-diagonal
+# mask). The loss is a token-sum divided by the mini-batch's count (`rl.losses`), so which rows
+# share a micro-batch does not change it (beyond float rounding).
+
+BUCKETING_RULES = ("off", "pow2")  # besides an explicit "w1,w2,..." list
+MIN_POW2_WIDTH = 128  # the smallest width of the pow2 rule
+WIDTH_MULTIPLE = 128  # the pow2 rule's last width: the budget rounded up to this
+
+
+def parse_widths(text: str, where: str = "bucket_widths") -> tuple[int, ...]:
+    """A comma-separated, strictly ascending list of positive widths; "" -> () (bucketing off)."""
+    if not text.strip():
+        return ()
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise ValueError(f"{where}: {text!r} is not a comma-separated list of integer widths "
+                         f"(e.g. '1024,2048,4096'), nor one of {', '.join(BUCKETING_RULES)}") from None
+    if min(widths) < 1 or any(b <= a for a, b in zip(widths, widths[1:])):
+        raise ValueError(f"{where}: {text!r} must be strictly ascending positive widths")
+    return widths
+
+
+def bucket_widths(rule: str, budget: int, where: str = "bucket_widths") -> tuple[int, ...]:
+    """The widths a rule names for a sequence budget (prompt + response tokens):
+
+    off   -> () : one padded width per mini-batch (its longest row);
+    pow2  -> 128, 256, ... (powers of two below the budget), then the budget rounded up to a
+             multiple of 128: at most log2(budget / 128) + 2 shapes, each row padded < 2x;
+    'w1,w2,...' -> those widths; the largest must cover the budget.
+    """
+    if budget < 1:
+        raise ValueError(f"{where}: the sequence budget must be >= 1, got {budget}")
+    if rule == "off":
+        return ()
+    if rule == "pow2":
+        last = -(-budget // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        widths, w = [], MIN_POW2_WIDTH
+        while w < last:
+            widths.append(w)
+            w *= 2
+        return (*widths, last)
+    widths = parse_widths(rule, where)
+    if not widths:
+        raise ValueError(f"{where}: empty; use 'off' for no bucketing")
+    if widths[-1] < budget:
+        raise ValueError(f"{where}: the largest width {widths[-1]} does not cover the sequence budget of {budget} "
+                         "tokens (agent.max_prompt_tokens + agent.max_response_tokens); add a width >= it")
+    return widths
+
+
+def bucket_for(length: int, widths: Sequence[int], where: str = "bucket_widths") -> int:
+    """The smallest width >= `length`."""
+    for w in widths:
+        if w >= length:
+            return int(w)
+    raise ValueError(f"{where}: a row of {length} tokens is longer than the largest bucket width {widths[-1]}; "
+                     "add a larger width (the run config checks the largest against the sequence budget)")
+
+
+def plan_micro_batches(lengths: np.ndarray, micro_batch_size: int,
+                       widths: Sequence[int]) -> list[tuple[np.ndarray, int]]:
+    """(row indices, width) of each micro-batch: the rows sorted by length (stable), cut into
+    consecutive groups of `micro_batch_size`, each padded to the bucket of its longest row.
+
+    For fixed group sizes, contiguous groups of the sorted rows minimise the summed padded
+    width (an exchange argument: swapping a long row into a shorter group can only raise that
+    group's maximum), and the bucket rounding is monotone, so it keeps that.
+    """
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or len(lengths) % micro_batch_size:
+        raise ValueError(f"plan_micro_batches: {lengths.shape} lengths do not split into micro-batches of "
+                         f"{micro_batch_size}")
+    order = np.argsort(lengths, kind="stable")
+    groups = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    return [(rows, bucket_for(int(lengths[rows].max()), widths)) for rows in groups]
+
+
+def at_width(tree: Tree, width: int) -> Tree:
+    """Every [B, T] leaf cut or zero-padded on the right to [B, width] ([B] leaves as they are).
+    Zero is padding in every field (masks 0, log-probs 0, splice kind 0, pad id 0: the masks,
+    never the ids, say what is padding). The caller keeps `width` >= every row's length."""
+    def fit(x: Any) -> Any:
+        if np.ndim(x) != 2:
+            return x
+        t = x.shape[1]
+        return x[:, :width] if t >= width else np.pad(x, ((0, 0), (0, width - t)))
+
+    return jax.tree.map(fit, tree)
+
+
+def padded_fraction(lengths: np.ndarray, shapes: Sequence[tuple[int, int]]) -> float:
+    """Share of the [rows, width] slots in `shapes` that are padding, for rows of `lengths`."""
+    slots = sum(r * w for r, w in shapes)
+    return 1.0 - float(np.sum(lengths)) / slots if slots else 0.0

@@ -8,6 +8,14 @@ token-mean is exact however tokens fall into micro-batches (a mean of micro-batc
 biased when micro-batches hold different numbers of policy tokens, which multi-turn masks always
 produce).
 
+Length bucketing (`LearnerConfig.bucket_widths`, the run config's `algo.bucket_widths`): the
+mini-batch's rows are sorted by length into micro-batches, each padded to the smallest of a few
+fixed widths (`cleaner_jax.rl.batch.plan_micro_batches`); a Python loop runs one jitted
+accumulate per micro-batch (one compile per width) and one jitted update. The sums are the
+same, so the loss, gradients, skip and loss scale equal the padded path's up to float rounding;
+`logprobs` buckets the same way. Off (''), every row is padded to the batch's width and one
+`lax.scan` runs the micro-batches, as before.
+
 Old log-probs: the authors recompute them on the final (purified) sequences before the first
 update of an RL step. With several mini-batches per RL step, `add_old_logprobs` must run on the
 whole RL batch *before* the first `train_step` (`cleaner_jax.rl.step` does this); a batch
@@ -43,7 +51,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cleaner_jax import schema
-from cleaner_jax.rl.batch import Batch, place_batch, split_micro_batches, validate_batch
+from cleaner_jax.models.sharding import FSDP
+from cleaner_jax.rl.batch import (Batch, at_width, padded_fraction, parse_widths, place_batch, plan_micro_batches,
+                                  split_micro_batches, validate_batch)
 from cleaner_jax.rl.checkpointing import Checkpointer
 from cleaner_jax.rl.logprob_gap import logprob_gap_sums
 from cleaner_jax.rl.logprobs import token_logprobs
@@ -84,9 +94,19 @@ class LearnerConfig:
         1.0, gt=0.0, help="the rollout sampling temperature, log_softmax(logits / T): RL needs sampled "
         "log-probs, so greedy (0) cannot train")
     logprob_chunk_size: int = schema.field(1024, ge=1, help="tokens per LM-head chunk (peak memory [mb, chunk, V])")
+    bucket_widths: str = schema.field(
+        "", help="length bucketing: comma-separated ascending widths; each micro-batch of the length-sorted "
+        "mini-batch is padded to the smallest that fits ('' = off: every row padded to the batch's width; "
+        "rl.batch.bucket_widths)")
 
     def __post_init__(self) -> None:
         schema.check(self)
+        parse_widths(self.bucket_widths, "LearnerConfig.bucket_widths")
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The bucket widths; () = bucketing off."""
+        return parse_widths(self.bucket_widths, "LearnerConfig.bucket_widths")
 
 
 def lr_schedule(cfg: OptimizerConfig) -> Callable[[jax.Array], jax.Array]:
@@ -170,30 +190,52 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: Le
     Without it the scaler state passes through untouched and nothing is multiplied.
     """
     micro = split_micro_batches(batch, cfg.micro_batch_size)
-
-    def scaled_loss(p: nnx.State, r: nnx.State, mb: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array]]:
-        loss_sum, out = _micro_loss(graphdef, cfg, p, r, mb)
-        if not loss_scaling:
-            return loss_sum, (out, jnp.ones((), jnp.float32))
-        factor = jax.lax.stop_gradient(scaler.scale / jnp.maximum(out.loss_count, 1.0))
-        return loss_sum * factor, (out, factor)
-
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
     first = jax.tree.map(lambda x: x[0], micro)
-    out_shape = jax.eval_shape(lambda p: _micro_loss(graphdef, cfg, p, rest, first)[1], params)
-    zero_out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero_grads, zero_out = zero_accumulators(graphdef, cfg, params, rest, first)
 
     def body(carry: tuple[Any, LossOutput], mb: Batch) -> tuple[tuple[Any, LossOutput], None]:
         g_acc, out_acc = carry
-        g, (out, factor) = grad_fn(params, rest, mb)
-        if loss_scaling:
-            g_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32) / factor, g_acc, g)
-        else:
-            g_acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g)
-        return (g_acc, combine(out_acc, out)), None
+        g, out = micro_grads(graphdef, cfg, params, rest, scaler.scale, mb, loss_scaling=loss_scaling)
+        return (jax.tree.map(jnp.add, g_acc, g), combine(out_acc, out)), None
 
     (g_sum, out), _ = jax.lax.scan(body, (zero_grads, zero_out), micro)
+    return apply_update(tx, cfg, params, opt_state, scaler, g_sum, out, jnp.sum(batch.loss_mask),
+                        loss_scaling=loss_scaling)
+
+
+def micro_grads(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
+                scale: jax.Array, mb: Batch, *, loss_scaling: bool) -> tuple[Any, LossOutput]:
+    """The f32 gradient of one micro-batch's unreduced loss sum, and its `LossOutput`. With
+    `loss_scaling` the backward pass runs on ``loss_sum * scale / loss_count`` and the gradient
+    is divided by that factor again (see `train_step`)."""
+    def scaled_loss(p: nnx.State, r: nnx.State, m: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array]]:
+        loss_sum, out = _micro_loss(graphdef, cfg, p, r, m)
+        if not loss_scaling:
+            return loss_sum, (out, jnp.ones((), jnp.float32))
+        factor = jax.lax.stop_gradient(scale / jnp.maximum(out.loss_count, 1.0))
+        return loss_sum * factor, (out, factor)
+
+    g, (out, factor) = jax.grad(scaled_loss, has_aux=True)(params, rest, mb)
+    if loss_scaling:
+        return jax.tree.map(lambda x: x.astype(jnp.float32) / factor, g), out
+    return jax.tree.map(lambda x: x.astype(jnp.float32), g), out
+
+
+def zero_accumulators(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
+                      mb: Batch) -> tuple[Any, LossOutput]:
+    """Zero f32 gradients (each with its parameter's sharding) and a zero `LossOutput` of the
+    structure a micro-batch like `mb` produces (its optional fields decide the metrics)."""
+    out_shape = jax.eval_shape(lambda p: _micro_loss(graphdef, cfg, p, rest, mb)[1], params)
+    zero_out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+    return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params), zero_out
+
+
+def apply_update(tx: optax.GradientTransformation, cfg: LearnerConfig, params: nnx.State,
+                 opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
+                 num_policy_tokens: jax.Array, *, loss_scaling: bool,
+                 ) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array]]:
+    """The update from gradient sums over a whole mini-batch: ``g_sum / loss_count``, the
+    finiteness check that skips it, the loss-scale step and the metrics (see `train_step`)."""
     denom = jnp.maximum(out.loss_count, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
     grad_norm = optax.tree.norm(grads)
@@ -209,7 +251,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: Le
     metrics["grad_norm"] = grad_norm
     metrics["grad_norm_finite"] = jnp.isfinite(grad_norm).astype(jnp.float32)
     metrics["skipped"] = (~finite).astype(jnp.float32)
-    metrics["num_policy_tokens"] = jnp.sum(batch.loss_mask)
+    metrics["num_policy_tokens"] = num_policy_tokens
     metrics["loss_denominator"] = out.loss_count
     return params, opt_state, scaler, metrics
 
@@ -240,6 +282,29 @@ def _jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptStat
     params, opt_state, scaler, metrics = train_step(graphdef, make_optimizer(cfg.optimizer), cfg, params, rest,
                                                     opt_state, scaler, batch, loss_scaling=loss_scaling)
     if layout is not None:  # keep parameters and moments where they were (norms stay replicated)
+        params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), layout.tree())
+    return params, opt_state, scaler, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"), donate_argnames=("acc",))
+def _jit_accumulate(params: nnx.State, rest: nnx.State, scale: jax.Array, acc: tuple[Any, LossOutput], mb: Batch, *,
+                    graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: _Layout | None,
+                    loss_scaling: bool) -> tuple[Any, LossOutput]:
+    """Bucketed train step, part 1: add one micro-batch's gradient and loss sums to `acc`
+    (compiled once per bucket width)."""
+    g, out = micro_grads(graphdef, cfg, params, rest, scale, mb, loss_scaling=loss_scaling)
+    acc = (jax.tree.map(jnp.add, acc[0], g), combine(acc[1], out))
+    return jax.lax.with_sharding_constraint(acc, layout.tree()) if layout is not None else acc
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "loss_scaling"), donate_argnames=("params", "opt_state"))
+def _jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
+               num_policy_tokens: jax.Array, *, cfg: LearnerConfig, layout: _Layout | None,
+               loss_scaling: bool) -> Any:
+    """Bucketed train step, part 2: the update from the accumulated sums (compiled once)."""
+    params, opt_state, scaler, metrics = apply_update(make_optimizer(cfg.optimizer), cfg, params, opt_state, scaler,
+                                                      g_sum, out, num_policy_tokens, loss_scaling=loss_scaling)
+    if layout is not None:
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), layout.tree())
     return params, opt_state, scaler, metrics
 
@@ -279,6 +344,14 @@ class Learner:
             opt_state = self.tx.init(self.params)
             self.opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), opt_state)
         self._layout = _Layout.of((self.params, self.opt_state)) if mesh is not None else None
+        if cfg.widths and mesh is not None:  # each bucketed micro-batch is placed on the mesh by itself
+            for name, size in (("micro_batch_size", cfg.micro_batch_size),
+                               ("logprob_micro_batch_size", cfg.logprob_micro_batch_size)):
+                if size % mesh.shape[FSDP]:
+                    raise ValueError(f"Learner: {name}={size} is not a multiple of the fsdp mesh axis "
+                                     f"({mesh.shape[FSDP]}), which length bucketing (bucket_widths, the run "
+                                     "config's algo.bucket_widths) needs: raise algo.micro_batch_size or set "
+                                     "algo.bucket_widths=off")
         self.step = 0  # optimizer updates applied (a skipped update does not count, nor move the lr schedule)
         # float16 compute needs a loss scale; bf16 and f32 keep scale 1 and never touch it
         self.loss_scaling = model.config.compute_dtype in SCALED_DTYPES
@@ -288,8 +361,9 @@ class Learner:
         self.skipped_steps = 0  # skipped updates in the run (restored from checkpoints)
         self.consecutive_skips = 0  # skipped updates since the last applied one
         self._checkpointer = Checkpointer(checkpoint_dir, max_checkpoints_to_keep) if checkpoint_dir else None
+        self._out_shapes: dict[Any, Any] = {}  # bucketed step: batch structure -> LossOutput shapes
 
-    def _placed(self, state: LossScaleState) -> LossScaleState:
+    def _placed(self, state: Any) -> Any:  # a LossScaleState or a LossOutput of scalars
         # committed where the optimizer's scalar counters are, so the second step reuses the
         # first step's compile (an uncommitted input is a different jit cache key)
         if self.mesh is None:
@@ -318,12 +392,35 @@ class Learner:
         if ids.shape[0] % self.cfg.logprob_micro_batch_size:
             raise ValueError(f"Learner.logprobs: batch size {ids.shape[0]} is not a multiple of "
                              f"logprob_micro_batch_size {self.cfg.logprob_micro_batch_size}")
+        if self.cfg.widths:
+            return self._bucketed_logprobs(ids, attn, temperature)
         placed_ids, placed_attn = place_batch((ids, attn), self.mesh)
         with self._mesh_ctx():
             out = _jit_logprobs(self.params, self.rest, placed_ids, placed_attn,
                                 graphdef=self.graphdef, micro_batch_size=self.cfg.logprob_micro_batch_size,
                                 temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
         return np.asarray(out)
+
+    def _bucketed_logprobs(self, ids: np.ndarray, attn: np.ndarray, temperature: float) -> np.ndarray:
+        """`logprobs` over length-sorted micro-batches, each at its bucket width (one compile per
+        width); positions past a row's length are 0 (the padded path leaves there whatever the
+        model computes on padding; neither is ever used)."""
+        if np.any(np.diff(attn, axis=1) > 0) or not np.isin(attn, (0, 1)).all():
+            raise ValueError("Learner.logprobs: attention_mask must be 1/0 and right-padded (ones then zeros in "
+                             "every row) for length bucketing (bucket_widths)")
+        mb, t = self.cfg.logprob_micro_batch_size, ids.shape[1]
+        parts = []
+        with self._mesh_ctx():
+            for rows, w in plan_micro_batches(attn.sum(axis=1).astype(np.int64), mb, self.cfg.widths):
+                placed_ids, placed_attn = place_batch(at_width((ids[rows], attn[rows]), w), self.mesh)
+                parts.append((rows, _jit_logprobs(
+                    self.params, self.rest, placed_ids, placed_attn, graphdef=self.graphdef, micro_batch_size=mb,
+                    temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)))
+        out = np.zeros(ids.shape, np.float32)
+        for rows, lp in parts:  # fetched after every micro-batch was dispatched
+            lp = np.asarray(lp)
+            out[rows, :min(t, lp.shape[1])] = lp[:, :t]
+        return np.where(attn > 0, out, 0.0).astype(np.float32)
 
     def add_old_logprobs(self, batch: Batch) -> Batch:
         """A copy of `batch` with ``old_logprobs`` from the current parameters. Call on the whole
@@ -335,14 +432,19 @@ class Learner:
         gap/* when rollout_logprobs are given, loss_scale: the scale this update used, skipped:
         1.0 if its loss or gradient was not finite and the update was skipped, ...)."""
         host = validate_batch(batch, self.cfg.micro_batch_size)
-        placed = place_batch(host, self.mesh)
         lr = float(self._schedule(jnp.asarray(self.step)))
-        with self._mesh_ctx():
-            self.params, self.opt_state, self.scaler, metrics = _jit_train_step(
-                self.params, self.rest, self.opt_state, self.scaler, placed, graphdef=self.graphdef, cfg=self.cfg,
-                layout=self._layout, loss_scaling=self.loss_scaling)
+        if self.cfg.widths:
+            metrics, shapes = self._bucketed_train_step(host)
+        else:
+            placed = place_batch(host, self.mesh)
+            with self._mesh_ctx():
+                self.params, self.opt_state, self.scaler, metrics = _jit_train_step(
+                    self.params, self.rest, self.opt_state, self.scaler, placed, graphdef=self.graphdef, cfg=self.cfg,
+                    layout=self._layout, loss_scaling=self.loss_scaling)
+            shapes = [host.input_ids.shape]
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         out["lr"] = lr
+        out["padded_token_frac"] = padded_fraction(host.lengths, shapes)
         if out["skipped"]:
             self.skipped_calls.append(self.calls)
             self.skipped_steps += 1
@@ -352,6 +454,35 @@ class Learner:
             self.consecutive_skips = 0
         self.calls += 1
         return out
+
+    def _bucketed_train_step(self, host: Batch) -> tuple[dict[str, jax.Array], list[tuple[int, int]]]:
+        """`train_step` over length-sorted micro-batches at their bucket widths: one accumulate
+        call per micro-batch (compiled once per width), then one update (compiled once). The
+        sums are the padded path's, so loss, gradients, skip and loss scale are the same up to
+        float rounding. Returns the metrics and the micro-batch shapes."""
+        plan = plan_micro_batches(host.lengths, self.cfg.micro_batch_size, self.cfg.widths)
+        static = dict(graphdef=self.graphdef, cfg=self.cfg, loss_scaling=self.loss_scaling)
+        with self._mesh_ctx():
+            acc, layout = None, None
+            for rows, w in plan:
+                mb = place_batch(at_width(host.rows(rows), w), self.mesh)
+                if acc is None:
+                    acc = self._zero_accumulators(mb)
+                    layout = _Layout.of(acc) if self.mesh is not None else None
+                acc = _jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
+            self.params, self.opt_state, self.scaler, metrics = _jit_apply(
+                self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(host.loss_mask.sum()),
+                cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
+        return metrics, [(len(rows), w) for rows, w in plan]
+
+    def _zero_accumulators(self, mb: Batch) -> tuple[Any, LossOutput]:
+        # the metrics' structure depends on the batch's optional fields only: traced once per structure
+        key = jax.tree.structure(mb)
+        if key not in self._out_shapes:
+            self._out_shapes[key] = jax.eval_shape(
+                lambda p: _micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1], self.params)
+        zero_out = self._placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._out_shapes[key]))
+        return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), self.params), zero_out
 
     @property
     def loss_scale(self) -> float:

@@ -59,7 +59,9 @@ class StepConfig:
     exclude_zero_adv_groups: bool = schema.field(
         False, help="leave groups whose advantages are all 0 out of the loss denominator; authors: False (they count)")
     pad_id: int = 0
-    width_bucket: int = 128  # batch width rounded up to a multiple: every new width is an XLA compile
+    # batch width rounded up to a multiple; without length bucketing (LearnerConfig.bucket_widths) every
+    # new width is an XLA compile, with it the learner re-pads each micro-batch to its bucket width
+    width_bucket: int = 128
 
     def __post_init__(self) -> None:
         schema.check(self)
