@@ -455,3 +455,106 @@ def test_unknown_override_key_stops_the_cli_with_a_message(tmp_path) -> None:
     assert out.returncode != 0
     assert "error: config.saar.gama: unknown key" in out.stderr and "gamma" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- fleet checks (docs/scaling.md §5)
+
+
+def _fleet(tmp_path, *, heads: int | None = 32, **values):
+    """The toy config on a local model directory (with a config.json of `heads` heads, or none)."""
+    if heads is not None:
+        (tmp_path / "config.json").write_text(f'{{"num_attention_heads": {heads}}}')
+    return _set(toy(), model__tiny_init=False, model__path=str(tmp_path), **values)
+
+
+@pytest.mark.parametrize("fsdp", range(1, 9))
+def test_micro_batch_must_split_over_the_fsdp_axis(fsdp, tmp_path):
+    c = _fleet(tmp_path, mesh__fsdp=fsdp, algo__micro_batch_size=8, algo__mini_batches_per_step=1)
+    if fsdp in (1, 2, 4, 8):  # the divisors of 8, listed by hand
+        assert validate(c).mesh.fsdp == fsdp
+    else:
+        msg = rejects(c, r"config\.algo\.micro_batch_size: 8 rows per micro-batch \(train step and log-prob pass\) "
+                         rf"do not split over the fsdp axis of mesh\.fsdp={fsdp}")
+        assert f"multiple of {fsdp}" in msg
+
+
+def test_all_devices_fsdp_is_checked_where_the_device_count_is_known(tmp_path):
+    import jax
+
+    from cleaner_jax.session import make_mesh
+
+    assert jax.device_count() == 4  # tests/conftest.py
+    c = _fleet(tmp_path, mesh__fsdp=-1, algo__micro_batch_size=2, algo__mini_batches_per_step=1)
+    validate(c)  # -1: unknown until the devices are
+    with pytest.raises(ConfigError, match=r"config\.algo\.micro_batch_size: 2 rows .* mesh\.fsdp=-1 \(= 4 on this "
+                                          r"machine\): use a multiple of 4"):
+        make_mesh(c)
+    c.algo.micro_batch_size = 4
+    assert dict(make_mesh(c).shape) == {"fsdp": 4, "tp": 1}
+
+
+def test_materialised_attention_scores_are_bounded(tmp_path):
+    # one row per device (micro-batch 1, fsdp 1), 32 heads: 32 * T^2 * 4 bytes <= 8 GiB iff T <= 8192
+    at = lambda t, **kw: _fleet(tmp_path, algo__micro_batch_size=1, agent__max_prompt_tokens=512,  # noqa: E731
+                                agent__max_response_tokens=t - 512, **kw)
+    assert 32 * 8192**2 * 4 == 8 * 2**30
+    validate(at(8192))
+    msg = rejects(at(8193), r"config\.model\.attention_impl: 'xla' materialises f32 attention scores per layer: "
+                            r"1 row\(s\) per device x 32 heads / mesh\.tp=1 x T\^2 with T = agent\.max_prompt_tokens "
+                            r"\+ agent\.max_response_tokens = 8193 is 8\.0 GiB, above the 8 GiB bound")
+    assert "cudnn" in msg and "splash" in msg
+    rejects(at(8193, model__attention_impl="xla_causal"), r"config\.model\.attention_impl: 'xla_causal'")
+    validate(at(23040, model__attention_impl="cudnn"))  # a flash kernel: no scores, no bound
+    validate(at(23040, mesh__tp=8))  # tp=8: 4 heads per device, 7.9 GiB
+    # the paper's budget (23,040 tokens), 4 rows per micro-batch over fsdp=4: one row, 63.3 GiB
+    paper = _fleet(tmp_path, algo__micro_batch_size=4, mesh__fsdp=4, agent__max_prompt_tokens=2560,
+                   agent__max_response_tokens=20480)
+    want = 1 * 32 * 23040**2 * 4 / 2**30
+    rejects(paper, rf"per device x 32 heads .* = 23040 is {want:.1f} GiB")
+
+
+def test_attention_bound_without_a_config_json_counts_one_head(tmp_path):
+    budget = dict(agent__max_prompt_tokens=2560, agent__max_response_tokens=20480)
+    validate(_fleet(tmp_path, heads=None, algo__micro_batch_size=4, **budget))  # 4 * 23040^2 * 4 B = 7.9 GiB
+    rejects(_fleet(tmp_path, heads=None, algo__micro_batch_size=8, **budget),
+            r"8 row\(s\) per device x 1 head \(model\.path has no config\.json yet: at least 1\)")
+
+
+def test_sandbox_warning_above_the_authors_episodes_per_worker(tmp_path):
+    from cleaner_jax.config import sandbox_warning
+
+    paper = load_config("qwen3_4b_cleaner")
+    paper.model.path = str(tmp_path)
+    paper.data.train = str(tmp_path / "train.parquet")
+    Path(paper.data.train).touch()
+    assert paper.sandbox.workers == 64  # the paper configs use the authors' code-judge pool
+    assert sandbox_warning(validate(paper)) is None
+    paper.sandbox.workers = 4  # the default: 128 x 16 = 2048 episodes over 4 workers
+    msg = sandbox_warning(validate(paper))
+    assert msg is not None and msg.startswith("config.sandbox.workers=4 for 2048 concurrent episodes")
+    assert "queue behind 511 others" in msg and "sandbox.workers >= 64" in msg  # 2048 / 32 = 64
+    paper.sandbox.workers = 63
+    assert sandbox_warning(validate(paper)) is not None
+    assert sandbox_warning(validate(toy())) is None  # 16 episodes, 2 workers
+    notool = load_config("qwen3_4b_notool")
+    notool.model.path, notool.data.train = paper.model.path, paper.data.train
+    assert sandbox_warning(validate(notool)) is None  # no tool calls at all
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIG_FILES if n.startswith("qwen")])
+def test_paper_configs_pass_the_fleet_checks_with_a_real_head_count(name, tmp_path):
+    c = load_config(name)
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 32}')  # Qwen3-4B's; Qwen2.5-7B has 28
+    c.model.path = str(tmp_path)
+    c.data.train = str(tmp_path / "train.parquet")
+    Path(c.data.train).touch()
+    validate(c)  # flash attention: no score bound; micro-batch 4 over fsdp=-1 checked at make_mesh
+    c.model.attention_impl = "xla"
+    rejects(c, r"config\.model\.attention_impl: 'xla' materialises .* = 23040 is 63\.3 GiB")  # 32 * 23040^2 * 4 B
+
+
+def test_an_unreadable_model_config_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    rejects(_fleet(tmp_path, heads=None), r"config\.model\.path: cannot read .*config\.json")
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    rejects(_fleet(tmp_path, heads=None), r"config\.model\.path: .*config\.json has no integer num_attention_heads")
