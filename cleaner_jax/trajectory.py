@@ -206,7 +206,7 @@ class Trajectory:
         )
 
 
-SaarOutcome = Literal["recovered", "gave_up", "no_tool_call", "turn_cap"]
+SaarOutcome = Literal["recovered", "gave_up", "no_tool_call", "turn_cap", "infra"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +248,7 @@ class ToolStats:
 
 
 Termination = Literal["answer", "length", "max_assistant_turns", "max_user_turns", "context_full", "retry_no_tool_call",
-                      "retry_turn_cap"]
+                      "retry_turn_cap", "infra"]  # infra: a sandbox fault ended it (docs/reliability.md row 2)
 
 
 @dataclasses.dataclass(frozen=True)

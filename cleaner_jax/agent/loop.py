@@ -9,7 +9,9 @@ the failing turn, append the error observation, sample a regeneration (same samp
 response-length limit ignored), splice it into the failing turn (shallow: call only; deep:
 whole turn) and execute its call; up to K regenerations per position, then give up with the
 authors' hint. The authors' recursion is written here as a loop over the same state; every
-branch is labelled with its row of the §2.7 table.
+branch is labelled with its row of the §2.7 table. An infra failure of the sandbox (not the
+model's doing) is no SAAR failure: it ends the episode, which is invalid anyway (termination
+"infra", `_infra`).
 
 The loop records every generation and execution as raw segments, with the decision it took;
 the purified trajectory is `saar.purify(raw)`, and the loop checks that it equals the context
@@ -183,6 +185,8 @@ class AgentLoop:
                 st.saar_off = True  # the authors' safeguard
             retries = st.retries.get(key, 0)
             result = await invoke_call(st.tool_calls[0], self.executor, self.tool_names)
+            if result.infra:
+                return self._infra(st, key, result)
             self._record_stats(st.stats, result, first_attempt=retries == 0)
             if saar.enable and (not st.saar_off or retries > 0):
                 if result.failed:
@@ -281,6 +285,19 @@ class AgentLoop:
         st.segments.append(self._obs(chunk, st.assistant_turns, "result", result))
         return None
 
+    def _infra(self, st: _Run, key: int, result: ToolResult) -> str:
+        """The sandbox failed, not the model's code (after the sandbox's own retry on a fresh
+        worker): the episode is invalid (`collect.py`, docs/honest_rl.md rule 5), so nothing
+        generated after this point could be trained on. End it here: the observation is kept in
+        the raw record only ("unappended"), SAAR does not retry or splice, and the call enters no
+        tool statistic but `infra_failures` (docs/reliability.md, row 2)."""
+        st.stats.infra_failures += 1
+        chunk = self.chat.observation_ids([result.text], after_eos=self._ends_with_eos(st.last_turn))
+        st.segments.append(self._obs(chunk, key, "unappended", result))
+        if key in st.events and not st.events[key].outcome:  # hit while executing a regenerated call
+            st.events[key].outcome = "infra"
+        return "infra"
+
     # ---- helpers ----------------------------------------------------------------------
     def _fail(self, st: _Run, key: int, outcome: str) -> None:
         if key not in st.recovered:
@@ -305,7 +322,6 @@ class AgentLoop:
         if result.failed:
             label = result.label or ""
             stats.failure_reasons[label] = stats.failure_reasons.get(label, 0) + 1
-        stats.infra_failures += int(result.infra)
 
     def _finish(self, st: _Run, prompt: list[int], termination: str | None, drawn_on: bool) -> Episode:
         raw = RawTrajectory(tuple(prompt), tuple(st.segments))

@@ -10,7 +10,12 @@ pipe and left with os._exit, so block-buffered prints before an error were lost;
 `keep_stdout_on_error` to keep them).
 
 The structured outcome (error type, line, full traceback) goes to a separate report pipe so the
-supervisor never has to parse stderr.
+supervisor never has to parse stderr: one JSON object per line, the outcome last. Before it, an
+audit hook writes a `{"kind": "signal"}` line whenever the code (or a forked copy of it) sends
+SIGKILL or a stop signal through Python (`os.kill`, `os.killpg`, `signal.pthread_kill`). That is
+how the supervisor tells "the code killed or stopped itself" (a model error) from "something
+outside the sandbox did" (an infra failure: the kernel's OOM killer, an operator); the hook only
+records, it never changes what the call does.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import ast
 import io
 import json
 import os
+import signal
 import sys
 import traceback
 import typing
@@ -137,9 +143,32 @@ def install_std_streams() -> None:
 
 def _report(report_fd: int, payload: dict[str, object]) -> None:
     try:
-        os.write(report_fd, json.dumps(payload).encode())
+        os.write(report_fd, (json.dumps(payload) + "\n").encode())
     except OSError:  # the user code closed the report fd; the supervisor falls back to the exit status
         pass
+
+
+_SIGNAL_AUDIT_EVENTS = frozenset({"os.kill", "os.killpg", "signal.pthread_kill"})  # args: (target, signal)
+MARKED_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+
+def _install_signal_audit(report_fd: int) -> None:
+    """Record every SIGKILL / stop signal the code sends, before it is sent (see the module doc).
+
+    An exception raised in an audit hook would abort the audited call, so the hook never raises;
+    a code that closed or scribbled on the report fd loses only this record (then its own kill
+    reads as one from outside)."""
+    def hook(event: str, args: tuple[object, ...]) -> None:
+        if event not in _SIGNAL_AUDIT_EVENTS:
+            return
+        try:
+            sig = int(args[1])  # type: ignore[call-overload]
+            if sig in MARKED_SIGNALS:
+                os.write(report_fd, (json.dumps({"kind": "signal", "signal": sig}) + "\n").encode())
+        except (OSError, ValueError, TypeError, IndexError):
+            pass
+
+    sys.addaudithook(hook)
 
 
 def _flush(stream: typing.TextIO) -> None:
@@ -199,6 +228,7 @@ def run_user_code(code: str, report_fd: int, keep_stdout_on_error: bool,
     """Entry point in the sandboxed child; never returns. mode: "notebook" (tool calls) or
     "script" (reward test programs)."""
     main_pid = os.getpid()
+    _install_signal_audit(report_fd)
     payload: dict[str, object]
     exit_code = 0
     try:

@@ -14,13 +14,19 @@ Started as `python -m cleaner_jax.tools._forkserver CONFIG_JSON` by `Sandbox`. P
                    runs the code via `_executor`. B is forked and set up *before* its call
                    (a "spare" blocked on a control pipe), so the fork is off the latency path)
 
-S enforces the wall-clock timeout and the output limit, reaps B, then has R kill whatever B
-left behind (background processes, setsid escapes), then empties W: each call starts from an
+S enforces the wall-clock timeout and the output limit, reaps B (with its CPU time), then has R
+kill whatever B left behind (background processes, setsid escapes), then empties W: each call starts from an
 empty /tmp with no surviving process, so calls are stateless. If S dies, R (PDEATHSIG) dies and
 the kernel kills the whole namespace. Layers the kernel refuses are listed in `Isolation.notes`.
 After unshare(CLONE_NEWPID) S itself cannot start threads (EINVAL), hence the *_NUM_THREADS=1
 environment the Sandbox gives it; the children can.
 S and the Sandbox exchange length-prefixed JSON over S's stdin/stdout.
+
+Who ended B decides its status (`_outcome.classify`): S (time or output limit) and the kernel's
+RLIMIT_CPU give a model error; so does a SIGKILL or stop signal the code sent itself (recorded
+by `_executor`'s audit hook). A SIGKILL nobody inside sent (the OOM killer, an operator), or a
+stop from outside that made B miss its time limit, is status "infra": the Sandbox retries the
+call once on a fresh worker.
 """
 from __future__ import annotations
 
@@ -44,10 +50,12 @@ from typing import Any, NoReturn
 from cleaner_jax.tools import _linux
 from cleaner_jax.tools._executor import install_std_streams, run_user_code
 from cleaner_jax.tools._framing import recv_msg, send_msg
+from cleaner_jax.tools._outcome import Ending, classify, cpu_limit_s, is_stopped
 from cleaner_jax.tools._mounts import python_paths, setup_mounts, under_tmp, untraversable_ancestors
 
 _REPORT_FD = 3
 _DRAIN_S = 2.0  # how long S keeps reading pipes after B is gone (leftovers are being killed)
+_EXIT_WAIT_S = 0.5  # how long B may take to exit once its pipes are closed, before S kills it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +174,7 @@ def _child(out_w: int, err_w: int, rep_w: int, ctl_r: int, cwd: str,
                     pass
         os.chdir(cwd)
         mb = 1024 * 1024
-        cpu = max(1, int(cfg.timeout_s + 0.999))
+        cpu = cpu_limit_s(cfg.timeout_s)
         for rlim, soft, hard in ((resource.RLIMIT_CORE, 0, 0),
                                  (resource.RLIMIT_CPU, cpu, cpu + 1),
                                  (resource.RLIMIT_AS, cfg.memory_mb * mb, cfg.memory_mb * mb),
@@ -291,6 +299,7 @@ class _Server:
         sel.register(pidfd, selectors.EVENT_READ)
         deadline = t0 + self.cfg.timeout_s
         killed_for: str | None = None
+        stopped_at_deadline = False  # B was in a stopped state when its time ran out
         child_done = False
         open_fds = set(bufs)
         while open_fds:
@@ -298,6 +307,7 @@ class _Server:
             if now >= deadline:
                 if killed_for is None and not child_done:
                     killed_for = "timeout"
+                    stopped_at_deadline = is_stopped(pid)
                     os.kill(pid, signal.SIGKILL)
                     deadline = now + _DRAIN_S
                     continue
@@ -321,17 +331,31 @@ class _Server:
                     killed_for = "output_limit"
                     os.kill(pid, signal.SIGKILL)
                     deadline = time.perf_counter() + _DRAIN_S
+        leftovers_killed = child_done
+        if not child_done:  # the pipes reach EOF while B's exit is still under way: wait for it
+            wait = min(max(deadline - time.perf_counter(), 0.0), _EXIT_WAIT_S)
+            child_done = _readable(pidfd, wait)
+        killed_by_server = killed_for is not None
         if not child_done:
             os.kill(pid, signal.SIGKILL)  # pipes closed (or drain over) but B lingers
-        _, status = os.waitpid(pid, 0)
-        if not child_done:
+            killed_by_server = True
+        _, status, usage = os.wait4(pid, 0)
+        if not leftovers_killed:
             self._kill_leftovers(pid)
         duration = time.perf_counter() - t0
         sel.close()
         for fd in (*bufs, pidfd):
             os.close(fd)
-        return _classify(status, killed_for, bytes(bufs[out_r]), bytes(bufs[err_r]),
-                         bytes(bufs[rep_r]), duration, self.iso)
+        ended = Ending(killed_for, killed_by_server, stopped_at_deadline,
+                       usage.ru_utime + usage.ru_stime, cpu_limit_s(self.cfg.timeout_s))
+        return classify(status, ended, bytes(bufs[out_r]), bytes(bufs[err_r]),
+                        bytes(bufs[rep_r]), duration, self.iso.network)
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        return bool(sel.select(timeout=timeout_s))
 
 
 def _discard(child: _Spare) -> None:
@@ -357,47 +381,6 @@ def _empty_dir(path: str) -> None:
             except OSError as e:
                 if e.errno != errno.ENOTEMPTY:  # ENOTEMPTY: a kept mount point lies below
                     raise
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def _classify(status: int, killed_for: str | None, out: bytes, err: bytes, rep: bytes,
-              duration: float, iso: Isolation) -> dict[str, Any]:
-    code = os.waitstatus_to_exitcode(status)
-    res: dict[str, Any] = {
-        "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace"),
-        "duration_s": duration, "exit_code": code, "error_type": None, "error_line": None,
-        "traceback": "", "network_isolated": iso.network,
-    }
-    try:
-        report = json.loads(rep) if rep else None
-    except ValueError:  # the code scribbled on the report fd; trust only the exit status
-        report = None
-    if not isinstance(report, dict):
-        report = None
-    if killed_for is not None:
-        res["status"] = killed_for
-        res["error_type"] = "TimeoutError" if killed_for == "timeout" else "OutputLimitExceeded"
-    elif report is not None and report.get("kind") == "infra":
-        res.update(status="infra", stderr=str(report.get("message", "")))
-    elif code < 0 and -code == signal.SIGXCPU:
-        res.update(status="timeout", error_type="TimeoutError")
-    elif report is not None and report.get("kind") == "exception":
-        etype = str(report.get("error_type"))
-        res.update(status="memory" if etype == "MemoryError" else "error", error_type=etype,
-                   error_line=report.get("error_line"), traceback=str(report.get("traceback")))
-    elif code == 0:
-        res["status"] = "ok"
-    elif code < 0:
-        res.update(status="error", error_type=_signal_name(-code))
-    else:
-        res.update(status="error", error_type="SystemExit")
-    return res
 
 
 def _acquire_uid(cfg: WorkerConfig) -> tuple[int, int]:
@@ -474,7 +457,7 @@ def main() -> None:
     server = _start(cfg)
     server.fork_spare()
     send_msg(resp_fd, {"ready": True, "pid": os.getpid(), "uid": server.cfg.uid,
-                       "isolation": dataclasses.asdict(server.iso)})
+                       "workdir": server.workdir, "isolation": dataclasses.asdict(server.iso)})
     while True:
         try:
             req = recv_msg(0)

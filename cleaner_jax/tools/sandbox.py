@@ -7,9 +7,12 @@ the isolation layers (network/PID/mount namespaces, unprivileged uid, rlimits, s
 private work dir). Layers the kernel refuses are reported in `Sandbox.isolation` and logged
 once; `ExecResult.network_isolated` says per call whether the network was cut off.
 
-Failures of the sandbox itself (a worker that died, a broken pipe) come back as
-status="infra" — never as a model error — and the dead worker is replaced, so the pool keeps
-its size.
+Failures of the sandbox itself come back as status="infra", never as a model error: a worker
+that died or stopped answering (no answer within `timeout_s + hang_grace_s`), a broken pipe, a
+worker that failed, and a snippet process killed or stopped from outside (`_outcome`). Each
+such call is retried `infra_retries` times (default once) on a fresh worker; the failed worker
+is killed with everything below it and replaced at once, so the pool keeps its size. A code
+that runs past its own time limit is a model "timeout", never retried (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -82,6 +85,10 @@ class ExecResult:
                    duration_s=duration_s)
 
 
+class WorkerStartError(RuntimeError):
+    """A fresh sandbox worker did not come up (it was killed, or gave no `ready` in time)."""
+
+
 class _Worker:
     """One fork-server process and the pipes to it. Not thread-safe: one caller at a time."""
 
@@ -92,15 +99,21 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(config["env"]),
             start_new_session=True, close_fds=True)
         self.hello: dict[str, Any] | None = None
+        self.killed = False
 
     def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        self.hello = self._recv(timeout_s)
-        if not self.hello.get("ready"):
-            raise RuntimeError(f"sandbox worker {self.slot} sent {self.hello!r} instead of ready")
-        return self.hello
+        try:
+            hello = self._recv(timeout_s)
+        except (OSError, EOFError, TimeoutError, ValueError) as e:
+            raise WorkerStartError(f"sandbox worker {self.slot} (pid {self.proc.pid}) did not start: "
+                                   f"{e!r}; exit status {self.proc.poll()}") from e
+        if not hello.get("ready"):
+            raise WorkerStartError(f"sandbox worker {self.slot} sent {hello!r} instead of ready")
+        self.hello = hello
+        return hello
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self.killed and self.proc.poll() is None
 
     def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -118,11 +131,17 @@ class _Worker:
             n = int.from_bytes(recv_exact(fd, 4), "big")
             return json.loads(recv_exact(fd, n))
 
-    def kill(self) -> None:
-        """Kill the server, its reaper and its spare child, and wait until they are gone.
+    def kill(self, exiting_is_gone: bool = False) -> None:
+        """Kill the server, its reaper and its spare child, and wait until they are gone
+        (zombies; with `exiting_is_gone`, also tasks still in exit, which hold no memory or
+        files: a replacement need not wait for the host's init to reap, see `_alive`).
 
         (The kernel would kill them anyway, via PDEATHSIG and the PID namespace, but only
-        asynchronously; callers and tests rely on nothing being left when this returns.)"""
+        asynchronously; callers and tests rely on nothing being left when this returns.)
+        Safe to call twice: a reaped pid may belong to another process by then."""
+        if self.killed:
+            return
+        self.killed = True
         children = _children(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -135,7 +154,7 @@ class _Worker:
                 pass
         self.proc.wait()
         deadline = time.monotonic() + 5.0
-        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        while any(_alive(pid, exiting_is_gone) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.01)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
@@ -146,6 +165,11 @@ class Sandbox:
     """Pool of isolated Python executors; use as a context manager.
 
     timeout_s: wall-clock limit per call (CPU-time limit = the same, rounded up).
+    hang_grace_s: a worker that has not answered `timeout_s + hang_grace_s` after a request is
+      hung (stopped, or stuck where it cannot be killed): killed, replaced, the call retried.
+      The worker needs up to ~2 s past `timeout_s` to drain a killed call (`_forkserver`).
+    infra_retries: how often a call that failed for infra reasons is re-run on a fresh worker.
+    start_timeout_s: how long a worker may take to start (imports and warm-up included).
     memory_mb: RLIMIT_AS of the code's process (the whole address space, incl. the ~140 MB of
       pre-imported numpy/sympy; the authors' fresh interpreter had 256 + 256 MB).
     output_limit: bytes kept per stream; more output kills the call with status "output_limit".
@@ -167,17 +191,24 @@ class Sandbox:
                  keep_stdout_on_error: bool = False, preload: tuple[str, ...] = DEFAULT_PRELOAD,
                  warmup: str = DEFAULT_WARMUP,
                  uid_base: int = 64000, uid_count: int = 1000, infra_retries: int = 1,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, hang_grace_s: float = 30.0) -> None:
         if not sys.platform.startswith("linux"):
             raise RuntimeError(f"Sandbox needs Linux (namespaces, pidfd, memfd, /proc); this is "
                                f"{sys.platform}: run the tool code in a Linux container or VM")
         if workers < 1:
             raise ValueError(f"Sandbox needs workers >= 1, got {workers}")
+        if infra_retries < 0:
+            raise ValueError(f"Sandbox needs infra_retries >= 0, got {infra_retries}")
+        if hang_grace_s <= 0:
+            raise ValueError(f"Sandbox needs hang_grace_s > 0, got {hang_grace_s}")
         self.workers = workers
         self.timeout_s = timeout_s
         self.infra_retries = infra_retries
         self.start_timeout_s = start_timeout_s
-        self.replaced_workers = 0
+        self.hang_grace_s = hang_grace_s
+        self.replaced_workers = 0  # workers killed and started afresh (dead, hung or failed)
+        self.retried_calls = 0  # calls re-run after an infra failure
+        self.infra_results = 0  # calls that came back "infra" after their retries
         self.root_dir = tempfile.mkdtemp(prefix="cleaner_sandbox_")
         os.chmod(self.root_dir, 0o711)  # (used only without a mount namespace) the code's uid
         # may traverse into its own 0700 work dir, nothing else
@@ -220,17 +251,33 @@ class Sandbox:
         self._idle.put(w)
 
     def _replace(self, w: _Worker, why: str) -> _Worker:
-        log.warning("sandbox worker %d replaced: %s", w.slot, why)
-        w.kill()
+        """Kill `w` and everything below it, start a fresh worker in its slot and return it.
+        Raises WorkerStartError (the fresh one killed too) when it does not come up; the slot
+        then holds a dead worker, which the next call replaces again."""
+        log.warning("sandbox worker %d (pid %d) replaced: %s", w.slot, w.proc.pid, why)
+        w.kill(exiting_is_gone=True)
+        self._forget_workdir(w)
         with self._lock:
             self.replaced_workers += 1
         new = self._spawn(w.slot)
-        new.wait_ready(self.start_timeout_s)
+        try:
+            new.wait_ready(self.start_timeout_s)
+        except WorkerStartError:
+            new.kill(exiting_is_gone=True)
+            raise
         return new
+
+    def _forget_workdir(self, w: _Worker) -> None:
+        """Without a mount namespace a worker's work dir is on the host disk (below root_dir)
+        and holds what a killed call wrote: remove it with the worker. (With one, it is the
+        worker's private tmpfs, gone with its namespace.)"""
+        if w.hello is not None and not w.hello["isolation"]["mount_namespace"]:
+            shutil.rmtree(w.hello["workdir"], ignore_errors=True)
 
     @property
     def pool_size(self) -> int:
-        """Number of live worker processes (always `workers` between calls)."""
+        """Number of live worker processes (`workers` between calls, unless a replacement
+        failed to start: then the next call on that slot starts one)."""
         with self._lock:
             return sum(w.alive() for w in self._all.values())
 
@@ -261,21 +308,47 @@ class Sandbox:
         w = self._idle.get()
         try:
             for attempt in range(self.infra_retries + 1):
-                if not w.alive():
-                    w = self._replace(w, f"found dead (exit {w.proc.returncode})")
-                t0 = time.perf_counter()
-                try:
-                    res = w.request(msg, self.timeout_s + 30.0)
-                except (OSError, EOFError, TimeoutError, ValueError) as e:
-                    res = {"status": "infra", "stderr": f"sandbox worker {w.slot}: {e!r}",
-                           "duration_s": time.perf_counter() - t0}
-                    w = self._replace(w, repr(e))
-                if res.get("status") != "infra" or attempt == self.infra_retries:
+                res, w = self._attempt(w, msg)
+                if res.get("status") != "infra":
                     return _to_result(res)
-                log.warning("sandbox infra failure, retrying: %s", res.get("stderr"))
-            raise AssertionError("unreachable")
+                if attempt < self.infra_retries:
+                    with self._lock:
+                        self.retried_calls += 1
+                    log.warning("sandbox infra failure, retrying on a fresh worker (%d/%d): %s",
+                                attempt + 1, self.infra_retries, res.get("stderr"))
+            with self._lock:
+                self.infra_results += 1
+            log.error("sandbox call failed for infra reasons %d time(s), reported as infra: %s",
+                      self.infra_retries + 1, res.get("stderr"))
+            return _to_result(res)
         finally:
             self._idle.put(w)
+
+    def _attempt(self, w: _Worker, msg: dict[str, Any]) -> tuple[dict[str, Any], _Worker]:
+        """One try of a call on `w` (first replaced when dead): (result record, the worker
+        now in w's slot). After any infra result the worker is replaced, so a retry always
+        runs on a fresh one and the pool keeps its size."""
+        t0 = time.perf_counter()
+        if not w.alive():
+            try:
+                w = self._replace(w, f"found dead (exit status {w.proc.poll()})")
+            except WorkerStartError as e:
+                return {"status": "infra", "stderr": str(e), "duration_s": time.perf_counter() - t0}, w
+        try:
+            res = w.request(msg, self.timeout_s + self.hang_grace_s)
+        except TimeoutError as e:
+            res = {"status": "infra", "stderr": f"sandbox worker {w.slot} hung: {e} "
+                   f"(timeout_s {self.timeout_s} + hang_grace_s {self.hang_grace_s})"}
+        except (OSError, EOFError, ValueError) as e:
+            res = {"status": "infra", "stderr": f"sandbox worker {w.slot} died during the "
+                   f"call: {e!r}; exit status {w.proc.poll()}"}
+        if res.get("status") == "infra":
+            res.setdefault("duration_s", time.perf_counter() - t0)
+            try:
+                w = self._replace(w, str(res.get("stderr"))[:300])
+            except WorkerStartError as e:  # w stays dead in its slot: the next use starts one
+                log.error("sandbox worker %d could not be replaced: %s", w.slot, e)
+        return res, w
 
     def run_batch(self, codes: list[str], stdins: list[str] | None = None, *,
                   mode: str = "notebook") -> list[ExecResult]:
@@ -328,13 +401,20 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    """True while pid exists and is not a zombie (a zombie holds no resources)."""
+_PF_EXITING = 0x4  # a task flag (/proc/PID/stat field 9): in do_exit, memory and files released
+
+
+def _alive(pid: int, exiting_is_gone: bool = False) -> bool:
+    """True while pid exists and is not a zombie (a zombie holds no resources) nor, with
+    `exiting_is_gone`, exiting: a killed worker's reaper, pid 1 of its PID namespace, stays in
+    exit (memory and files released) until the host's init has reaped the namespace's last
+    zombie, which some inits do only every few seconds."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return False
+    return fields[0] != "Z" and not (exiting_is_gone and int(fields[6]) & _PF_EXITING)
 
 
 def _to_result(res: dict[str, Any]) -> ExecResult:
