@@ -3,11 +3,11 @@ import asyncio
 
 import pytest
 
-from _rollout_common import checkpoint, engine, hf_greedy, hf_logprobs
+from _rollout_common import call, checkpoint, engine, hf_greedy, hf_logprobs
 from cleaner_jax.models import qwen
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.server import start_server_in_thread
-from cleaner_jax.rollout.weight_sync import WeightSyncError, export_and_sync, sync_weights
+from cleaner_jax.rollout.weight_sync import WeightSyncError, export_and_sync, export_checkpoint, sync_weights
 
 PROBE = [1, 5, 9, 40, 41, 42, 97, 300, 7, 2, 13]
 
@@ -59,6 +59,56 @@ def test_probe_gap_fails_loudly_naming_server(two_servers):
 
 
 def test_bad_checkpoint_path_is_an_error(two_servers, tmp_path):
+    """Caught by the export check, before any server is asked to load it (real SGLang may die on a
+    bad directory); both servers keep their version and leave the rotation."""
     client = SGLangClient([h.url for h in two_servers], retries=0)
-    with pytest.raises(Exception, match="refused the weights"):
+    before = [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers]
+    with pytest.raises(WeightSyncError, match=r"missing cannot be read as a Hugging Face model directory.*config\.json not found"):
         asyncio.run(sync_weights(client, tmp_path / "missing", "step-9"))
+    assert [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers] == before != ["step-9"] * 2
+    assert set(client.out_of_rotation) == {h.url for h in two_servers}
+
+
+def test_bf16_export_is_the_rounded_hf_tensors_and_loads_in_transformers_with_the_learners_logits(tmp_path):
+    """#15 item 6: the export in the compute dtype. Every tensor equals torch's bf16 rounding of
+    the checkpoint's own (HF-layout) tensor, so casts and transposes are right; transformers loads
+    the directory, and its bf16 logits match the learner's bf16 forward at bf16 tolerance."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = qwen.from_pretrained(checkpoint(1), param_dtype="float32", compute_dtype="bfloat16")
+    timings: dict = {}
+    out = export_checkpoint(model, tmp_path / "bf16", checkpoint(1), dtype="bfloat16", timings=timings)
+    assert set(timings) == {"gather_s", "write_s"} and all(v > 0 for v in timings.values())
+    exported = load_file(out / "model.safetensors")
+    original = load_file(checkpoint(1) / "model.safetensors")
+    assert set(exported) == set(original)
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()
+    ids = np.random.default_rng(0).integers(0, 512, (2, 12))
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.float().numpy()
+    ours = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids, jnp.int32)))
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() < 0.05 * scale  # bf16 keeps 8 mantissa bits
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_export_dtype_narrower_than_the_served_dtype_is_refused(two_servers, tmp_path):
+    """A bf16 export to a float32 server would be served rounded: refused before any update."""
+    client = SGLangClient([h.url for h in two_servers], retries=0)
+    model = qwen.from_pretrained(checkpoint(1))
+    before = [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers]
+    with pytest.raises(WeightSyncError, match=r"stored in \['bfloat16'\] but http://127\.0\.0\.1:\d+ serves in dtype 'float32'"):
+        asyncio.run(export_and_sync(model, tmp_path / "bf16", client, "step-10", dtype="bfloat16"))
+    assert [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers] == before

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from safetensors import SafetensorError
 
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
@@ -176,6 +178,11 @@ async def v1_models(_: web.Request, state: ServerState) -> web.Response:
 
 @_ready
 async def flush_cache(_: web.Request, state: ServerState) -> web.Response:
+    """Like SGLang 0.5.23: refused with 400 `Flush cache failed.` while any request is running or
+    queued (the weight sync pauses generation first), so tests on this server exercise the same
+    path as a real fleet (docs/sglang_api.md §5.2)."""
+    if state.scheduler.num_pending:
+        return web.Response(status=400, text="Flush cache failed.\n")  # SGLang 0.5.23 byte for byte
     await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
     return web.Response(text="Cache flushed.\n")
 
@@ -200,7 +207,7 @@ async def update_weights_from_disk(request: web.Request, state: ServerState) -> 
     loop = asyncio.get_running_loop()
     try:
         await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version, flush)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # a missing, broken or other-shaped directory
         return _update_failed(f"Failed to update weights from {path}: {type(exc).__name__}: {exc}")
     return web.json_response({
         "success": True, "num_paused_requests": 0,
@@ -363,6 +370,20 @@ def start_server_in_thread(
     return handle
 
 
+def _exit_with_parent(pid: int, poll_s: float = 0.5) -> None:
+    """A daemon thread that ends this process once `pid` is no longer its parent (orphaned: the
+    trainer was killed), so an embedded server never outlives its run."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(poll_s)
+        log.error("parent process %d is gone: the embedded rollout server exits", pid)
+        os._exit(3)
+
+    if os.getppid() != pid:
+        raise SystemExit(f"--exit-with-parent {pid}: this server's parent is {os.getppid()}")
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
@@ -377,8 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-chunk", type=int, default=32)
     parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 17)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                        help="exit as soon as process PID is no longer this server's parent (the trainer that "
+                             "started it as its embedded server died, even by SIGKILL)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.exit_with_parent is not None:
+        _exit_with_parent(args.exit_with_parent)
     handle = start_server_in_thread(
         args.model_path, host=args.host, port=args.port, wait_ready=True,
         max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, decode_backend=args.decode_backend,
