@@ -28,9 +28,13 @@ from transformers import AutoTokenizer
 from cleaner_jax.agent.collect import Collector
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
+from cleaner_jax.config import check_mesh, sandbox_warning, validate
 from cleaner_jax.models import sharding
+from cleaner_jax.models.params import commit_dir, partial_dir
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet
+from cleaner_jax.rollout.weight_sync import check_context_budget
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.wiring import agent_config, scorer_options
@@ -52,6 +56,7 @@ class Session:
         self.model_dir = model_dir
         self._stack = contextlib.ExitStack()
         self._client: SGLangClient | None = None
+        self._fleet: RolloutFleet | None = None
         self._collector: Collector | None = None
 
     def __enter__(self) -> Session:
@@ -68,6 +73,9 @@ class Session:
             tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
             self.chat = ChatFormat(self.tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
             self.agent = agent_config(c)
+            crowded = sandbox_warning(validate(c))
+            if crowded is not None:
+                log.warning("%s", crowded)
             self._stack = stack.pop_all()
         return self
 
@@ -81,12 +89,17 @@ class Session:
             raise RuntimeError("Session.start_rollout: the rollout backend is already started")
         c = self.config
         vocab_size = json.loads((serve_dir / "config.json").read_text())["vocab_size"]  # the model's, not the tokenizer's
-        client = self._stack.enter_context(rollout_backend(c, serve_dir, vocab_size))
+        fleet = self._stack.enter_context(rollout_backend(c, serve_dir, vocab_size))
+        client = fleet.client
         self._stack.callback(lambda: self.loop.run_until_complete(client.close()))
         rescorer_for = client.session if c.saar.enable and c.saar.logprob_mode == "rollout" else None
-        self._client = client
+        self._client, self._fleet = client, fleet
         self._collector = Collector(client.session, self.executor, self.chat, self.agent, self.scorer,
-                                    rescorer_for=rescorer_for)
+                                    rescorer_for=rescorer_for, recover=fleet.recover,
+                                    max_restarts=c.rollout.max_episode_restarts)
+        # a budget over the served context would be a 400 in the middle of a step: fail now
+        self.run(check_context_budget(client, c.agent.max_prompt_tokens + c.agent.max_response_tokens,
+                                      "agent.max_prompt_tokens + agent.max_response_tokens"))
         return self._collector
 
     @property
@@ -94,6 +107,13 @@ class Session:
         if self._client is None:
             raise RuntimeError("Session.client: call start_rollout(model_dir) first")
         return self._client
+
+    @property
+    def fleet(self) -> RolloutFleet:
+        """The rollout servers' supervisor: `set_current` after each weight sync, `live_urls` to sync."""
+        if self._fleet is None:
+            raise RuntimeError("Session.fleet: call start_rollout(model_dir) first")
+        return self._fleet
 
     @property
     def collector(self) -> Collector:
@@ -108,17 +128,35 @@ class Session:
 
 def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     """The HF directory the run starts from: `model.path`, or a random tiny checkpoint
-    (toy run) written once into the workdir and reused on resume."""
+    (toy run) written once into the workdir and reused on resume. The tiny checkpoint is written
+    in a hidden sibling and renamed into place (`params.commit_dir`), so a run killed while
+    writing it leaves no torn `init_model/` for its resumption to train from."""
     if not config.model.tiny_init:
         return Path(config.model.path).resolve()
     out = workdir / "init_model"
     if not (out / "config.json").exists():
         h, layers = config.model.tiny_hidden_size, config.model.tiny_num_layers
-        make_tiny_checkpoint(out, config.model.tiny_family, seed=config.train.seed, hidden_size=h,
+        tmp = partial_dir(out)
+        make_tiny_checkpoint(tmp, config.model.tiny_family, seed=config.train.seed, hidden_size=h,
                              intermediate_size=2 * h, num_hidden_layers=layers, max_window_layers=layers,
                              vocab_size=512, max_position_embeddings=4096)
+        commit_dir(tmp, out)
         log.info("wrote a random tiny %s checkpoint to %s", config.model.tiny_family, out)
     return out
+
+
+def use_compilation_cache(config: ml_collections.ConfigDict) -> Path | None:
+    """Point JAX's persistent compilation cache at `train.compilation_cache_dir` (created if
+    missing), so a later or resumed run loads the train step's programs instead of compiling
+    them again. Call first thing, before anything compiles: JAX reads the setting when it
+    first uses the cache. None leaves the cache off. Returns the directory."""
+    if config.train.compilation_cache_dir is None:
+        return None
+    path = Path(config.train.compilation_cache_dir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    log.info("persistent compilation cache: %s", path)
+    return path
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
@@ -128,28 +166,35 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else len(devices) // tp
     if fsdp * tp > len(devices) or fsdp * tp == 0:
         raise ValueError(f"config.mesh: fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices, {len(devices)} available")
+    check_mesh(validate(config), fsdp)  # the micro-batch and attention rules that need the fsdp size
     return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
 
 
 @contextlib.contextmanager
-def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_size: int) -> Iterator[SGLangClient]:
-    """An SGLang client for the run; with backend=embedded, our own server is started on a free
-    loopback port first (in the run's compute dtype, with its decode backend) and stopped
-    afterwards (on error too)."""
-    timeout = config.rollout.request_timeout_s
-    if config.rollout.backend == "sglang":
-        urls = [u.strip() for u in config.rollout.server_urls.split(",") if u.strip()]
-        yield SGLangClient(urls, timeout_s=timeout, vocab_size=vocab_size)
-        return
-    from cleaner_jax.rollout.server import start_server_in_thread  # the embedded server only
+def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_size: int) -> Iterator[RolloutFleet]:
+    """The run's rollout servers behind one client, supervised by a `RolloutFleet`. With
+    backend=embedded our own server is started first as a child process on a free loopback port
+    (in the run's compute dtype, with its decode backend; restarted by the fleet if it dies) and
+    stopped afterwards (on error too).
 
-    handle = start_server_in_thread(str(model_dir), host="127.0.0.1", port=0, dtype=config.model.compute_dtype,
-                                    decode_backend=config.rollout.decode_backend)
-    log.info("embedded rollout server at %s", handle.url)
+    The client's connection pool holds `rollout.max_connections` (default: one per concurrent
+    trajectory of a step), and its timeouts come from the `rollout` section."""
+    ro = config.rollout
+    pool = ro.max_connections or config.algo.prompts_per_step * config.algo.group_size
+    opts = dict(timeout_s=ro.request_timeout_s, read_timeout_per_token_s=ro.read_timeout_per_token_s,
+                connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size)
+    if ro.backend == "sglang":
+        urls = [u.strip() for u in ro.server_urls.split(",") if u.strip()]
+        yield RolloutFleet(SGLangClient(urls, **opts), server_wait_s=ro.server_wait_s)
+        return
+    server = EmbeddedServerProcess(model_dir, dtype=config.model.compute_dtype, decode_backend=ro.decode_backend)
     try:
-        yield SGLangClient([handle.url], timeout_s=timeout, vocab_size=vocab_size)
+        server.start()
+        server.wait_ready_blocking(ro.server_wait_s)
+        log.info("embedded rollout server at %s (pid %d)", server.url, server.pid)
+        yield RolloutFleet(SGLangClient([server.url], **opts), server_wait_s=ro.server_wait_s, embedded=server)
     finally:
-        handle.stop()
+        server.stop()
 
 
 def log_to_file(log_file: Path) -> Path:

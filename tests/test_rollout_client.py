@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 from aiohttp import web
 
-from cleaner_jax.rollout.client import RolloutRequestError, RolloutServerError, SGLangClient
+from cleaner_jax.rollout.client import RolloutRequestError, RolloutServerError, ServerLostError, SGLangClient
 
 
 def canned(output_ids=(7, 8)) -> dict:
@@ -200,3 +200,122 @@ def test_client_side_validation():
         asyncio.run(client([3, 10], {"max_new_tokens": 1}))
     with pytest.raises(ValueError, match="untempered"):
         asyncio.run(client.score([1, 2, 3], 1, temperature=0.7))
+
+
+# -------------------------------------------------------------- #15 item 5: timeouts, pool, loss (docs/reliability.md row 1)
+
+def delayed(seconds: float):
+    async def behaviour(request, n):
+        await request.read()
+        await asyncio.sleep(seconds)
+        return web.json_response(canned())
+    return behaviour
+
+
+@pytest.mark.timeout(30)
+def test_read_timeout_is_sized_from_max_new_tokens_so_a_long_request_is_kept():
+    """Answers take 1.2 s. Read timeout = 0.4 s + 0.01 s x max_new_tokens: 2.4 s for 200 tokens
+    (kept, one request), 0.5 s for 10 tokens (timed out on every attempt)."""
+    srv = fake_server(delayed(1.2))
+    client = SGLangClient(srv.url, timeout_s=0.4, read_timeout_per_token_s=0.01, retries=1, backoff_s=0.01)
+    assert client.read_timeout_s({"sampling_params": {"max_new_tokens": 200}}) == pytest.approx(0.4 + 2.0)
+    assert client.read_timeout_s({"sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 30}]}) == pytest.approx(0.7)
+    try:
+        out = asyncio.run(client([1], {"max_new_tokens": 200}))
+        assert out.output_ids == [7, 8] and len(srv.hits) == 1 and client.take_counters() == {}
+        with pytest.raises(RolloutServerError, match="failed after 2 attempts"):
+            asyncio.run(client([1], {"max_new_tokens": 10}))
+    finally:
+        srv.stop()
+    assert len(srv.hits) == 3 and client.take_counters() == {"request_timeouts": 2}
+
+
+@pytest.mark.timeout(30)
+def test_a_request_that_times_out_is_retried_on_another_server():
+    slow, fast = fake_server(delayed(5)), fake_server(ok)
+    client = SGLangClient([slow.url, fast.url], timeout_s=0.5, retries=2, backoff_s=0.01)
+    t0 = time.monotonic()
+    try:
+        out = asyncio.run(client([1, 2], {"max_new_tokens": 1}, route_key="t"))  # first pick: slow (tie)
+        elapsed = time.monotonic() - t0
+    finally:
+        slow.stop(), fast.stop()
+    assert out.output_ids == [7, 8] and len(slow.hits) == 1 and len(fast.hits) == 1 and elapsed < 3
+    assert client.take_counters() == {"request_timeouts": 1, "request_failovers": 1}
+    assert client.out_of_rotation == {}  # slow is not dead: it stays in the rotation
+
+
+def concurrency_probe(target: int):
+    """A /generate that holds requests in batches of `target` arrivals (or for 10 s); records the
+    peak number held at once."""
+    state = {"now": 0, "peak": 0, "batch": 0, "arrived": 0}
+
+    async def hold(request, n):
+        await request.read()
+        batch = state["batch"]
+        state["now"] += 1
+        state["arrived"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        if state["arrived"] % target == 0:
+            state["batch"] += 1  # release every request held
+        t0 = time.monotonic()
+        while state["batch"] == batch and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.02)
+        state["now"] -= 1
+        return web.json_response(canned())
+    return hold, state
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pool,requests", [(7, 21), (150, 150)])
+def test_the_connection_pool_holds_the_configured_concurrency(pool, requests):
+    """All requests at once: exactly `pool` reach the server together. With aiohttp's default
+    pool of 100, 150 requests would peak at 100 (and wait out the 10 s)."""
+    hold, state = concurrency_probe(pool)
+    srv = fake_server(hold)
+    client = SGLangClient(srv.url, max_connections=pool, timeout_s=30)
+
+    async def go():
+        outs = await asyncio.gather(*(client([1], {"max_new_tokens": 1}) for _ in range(requests)))
+        await client.close()
+        return outs
+
+    t0 = time.monotonic()
+    try:
+        outs = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert len(outs) == requests and len(srv.hits) == requests and state["peak"] == pool
+    assert time.monotonic() - t0 < 10  # never waited out the hold: the pool filled every time
+
+
+@pytest.mark.timeout(30)
+def test_a_trajectory_whose_server_dies_is_lost_at_once_not_moved():
+    """The session answered turn 1 on `a`; `a` dies. Turn 2 must not silently continue on `b`
+    (a's prefix is gone): ServerLostError at once, `a` out of the rotation as unreachable; a new
+    session of the same trajectory (its regeneration) goes to `b`."""
+    a, b = fake_server(ok), fake_server(ok)
+    client = SGLangClient([a.url, b.url], retries=3, backoff_s=0.5)
+
+    async def go():
+        sess = client.session("t")
+        await sess([1, 2], {"max_new_tokens": 1})
+        first = sess.server.url
+        a.stop()
+        t0 = time.monotonic()
+        with pytest.raises(ServerLostError, match="lost mid-trajectory") as err:
+            await sess([1, 2, 7, 8], {"max_new_tokens": 1})
+        lost_after = time.monotonic() - t0
+        again = client.session("t")
+        await again([1, 2], {"max_new_tokens": 1})
+        await client.close()
+        return first, err.value.url, lost_after, again.server.url
+
+    try:
+        first, lost_url, lost_after, second = asyncio.run(go())
+    finally:
+        b.stop()
+    assert first == a.url == lost_url and second == b.url
+    assert lost_after < 0.5  # no back-off retries against a dead server (they would take 0.5 + 1 + 2 s)
+    assert client.out_of_rotation[a.url].startswith("unreachable")
+    assert client.take_counters() == {"servers_lost": 1, "trajectories_lost": 1}

@@ -7,14 +7,23 @@ that died, a server that stayed unreachable — mark the episode invalid: it is 
 out of group statistics and out of the loss, never scored as a model error
 (docs/honest_rl.md rule 5). The result is a list of `trajectory.ScoredEpisode`, which
 `cleaner_jax.rl.step` trains on and `cleaner_jax.eval.runner` summarises.
+
+A rollout server that dies, times out or leaves the rotation mid-episode loses the episode's
+state (its KV and prefix), so the episode is regenerated from its start, with the same seeds,
+on a live or restarted server (`recover`, the rollout fleet's), up to `max_restarts` times; then
+it is lost: invalid, counted and logged with its length. Every count is in `counters` (one
+step's `infra/*` metrics, `infra_metrics`); past `rollout.max_lost_fraction` lost episodes the
+trainer stops (`check_lost`) instead of training on a silently smaller batch
+(docs/reliability.md row 1).
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +46,16 @@ log = logging.getLogger(__name__)
 # every turn and every re-scoring of a spliced span hits the server that holds its prefix.
 GenerateFactory = Callable[[str], Generate]
 RescorerFactory = Callable[[str], Rescorer]
+# waits until a rollout server can take a regenerated episode (raises when none comes back)
+Recover = Callable[[], Awaitable[None]]
+
+
+class LostEpisodesError(RuntimeError):
+    """More of a step's episodes were lost to rollout-server faults than rollout.max_lost_fraction allows."""
+
+
+class GenerationAbortedError(RolloutServerError):
+    """A turn came back with finish type "abort": cut by the server, not ended by the policy."""
 
 
 class SeededGenerate:
@@ -51,22 +70,44 @@ class SeededGenerate:
     def __init__(self, inner: Generate, seed: int) -> None:
         self.inner = inner
         self.rng = random.Random(seed)
+        self.prompt_tokens = 0  # the episode's length, for the log line of a lost episode
+        self.context_tokens = 0
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
-        return await self.inner(input_ids, {**sampling, "sampling_seed": self.rng.getrandbits(31)})
+        self.prompt_tokens = self.prompt_tokens or len(input_ids)
+        self.context_tokens = len(input_ids)
+        out = await self.inner(input_ids, {**sampling, "sampling_seed": self.rng.getrandbits(31)})
+        if out.finish_reason == "abort":  # e.g. a weight sync paused the server mid-turn
+            raise GenerationAbortedError(
+                f"the server aborted a generation after {len(out.output_ids)} new tokens at {len(input_ids)} "
+                "context tokens (paused for a weight update, or aborted by another client); the turn is not the "
+                "policy's, so the episode is regenerated")
+        return out
 
 
 class Collector:
     """Runs groups of episodes and scores them; one per run (rollout endpoint + sandbox)."""
 
     def __init__(self, generate_for: GenerateFactory, executor: ToolExecutor, chat: ChatFormat,
-                 agent: AgentConfig, scorer: Scorer, *, rescorer_for: RescorerFactory | None = None) -> None:
+                 agent: AgentConfig, scorer: Scorer, *, rescorer_for: RescorerFactory | None = None,
+                 recover: Recover | None = None, max_restarts: int = 0) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"Collector: max_restarts={max_restarts} must be >= 0")
         self.generate_for = generate_for
         self.executor = executor
         self.chat = chat
         self.agent = agent
         self.scorer = scorer
         self.rescorer_for = rescorer_for
+        self.recover = recover
+        self.max_restarts = max_restarts
+        # since the last take_counters(): episodes, regenerated_episodes, episode_restarts, lost_episodes
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def take_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        self.counters.clear()
+        return out
 
     async def collect(self, problems: Sequence[Problem], n: int, sampling: dict[str, Any],
                       seed: int) -> list[ScoredEpisode]:
@@ -78,19 +119,43 @@ class Collector:
         runs differ in their rollouts exactly when their train.seed (or step) does.
         """
         jobs = [(g, p) for g, p in enumerate(problems) for _ in range(n)]
-        return list(await asyncio.gather(*(self._one(g, p, sampling, f"{seed}:{i}") for i, (g, p) in enumerate(jobs))))
+        tasks = [asyncio.ensure_future(self._one(g, p, sampling, f"{seed}:{i}")) for i, (g, p) in enumerate(jobs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:  # e.g. no server came back: stop the other episodes before raising
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _one(self, group: int, problem: Problem, sampling: dict[str, Any], route: str) -> ScoredEpisode:
-        rng = random.Random(route)
-        generate = SeededGenerate(self.generate_for(route), rng.getrandbits(63))
-        rescorer = self.rescorer_for(route) if self.rescorer_for else None
-        loop = AgentLoop(generate, self.executor, self.chat, self.agent, sampling, rescorer=rescorer, rng=rng)
-        try:
-            episode = await loop.run(problem.messages)
-        except RolloutServerError as err:  # the server, not the model, failed: count, never score
-            log.error("rollout %s of %s failed after retries: %s", route, problem.uid, err)
-            return ScoredEpisode(problem.uid, group, None, float("nan"), reward_detail=str(err),
-                                 error=f"rollout: {err}")
+        self.counters["episodes"] += 1
+        for attempt in range(self.max_restarts + 1):
+            if attempt:
+                if self.recover is not None:
+                    await self.recover()
+                self.counters["episode_restarts"] += 1
+            rng = random.Random(route)  # the same seeds on every attempt: a restart from the start
+            generate = SeededGenerate(self.generate_for(route), rng.getrandbits(63))
+            rescorer = self.rescorer_for(route) if self.rescorer_for else None
+            loop = AgentLoop(generate, self.executor, self.chat, self.agent, sampling, rescorer=rescorer, rng=rng)
+            try:
+                episode = await loop.run(problem.messages)
+                break
+            except RolloutServerError as err:  # the server, not the model, failed: regenerate, never score
+                length = (f"{generate.context_tokens} tokens so far ({generate.prompt_tokens} of prompt, "
+                          f"{generate.context_tokens - generate.prompt_tokens} of response)")
+                if attempt < self.max_restarts:
+                    log.warning("rollout %s of %s: %s, at %s; regenerating it from its start (restart %d of %d)",
+                                route, problem.uid, err, length, attempt + 1, self.max_restarts)
+                    continue
+                self.counters["lost_episodes"] += 1
+                log.error("rollout %s of %s LOST after %d restart(s), at %s: %s", route, problem.uid,
+                          self.max_restarts, length, err)
+                return ScoredEpisode(problem.uid, group, None, float("nan"), reward_detail=str(err),
+                                     error=f"rollout: {err}")
+        if attempt:
+            self.counters["regenerated_episodes"] += 1
         text = self.chat.tokenizer.decode(episode.purified.response_ids.tolist(), skip_special_tokens=True)
         reward = await self.scorer.ascore(problem, text)
         error = None
@@ -132,6 +197,35 @@ async def collect_informative(collector: Collector, take: Callable[[int], Sequen
         log.warning("dynamic sampling: no informative group in %d round(s); training on the last one", rounds)
         return got, rounds
     return kept, rounds
+
+
+def infra_metrics(episodes: Mapping[str, int], client: Mapping[str, int], fleet: Mapping[str, int]) -> dict[str, float]:
+    """One step's rollout-fault counts (the collector's, the client's and the fleet's counters)
+    as `infra/*` metrics (docs/metrics.md)."""
+    total = episodes.get("episodes", 0)
+    lost = episodes.get("lost_episodes", 0)
+    return {
+        "infra/regenerated_episodes": float(episodes.get("regenerated_episodes", 0)),
+        "infra/episode_restarts": float(episodes.get("episode_restarts", 0)),
+        "infra/lost_episodes": float(lost),
+        "infra/lost_fraction": lost / total if total else 0.0,
+        "infra/request_timeouts": float(client.get("request_timeouts", 0)),
+        "infra/request_failovers": float(client.get("request_failovers", 0)),
+        "infra/servers_lost": float(client.get("servers_lost", 0)),
+        "infra/server_restarts": float(fleet.get("server_restarts", 0)),
+        "infra/servers_readmitted": float(fleet.get("servers_readmitted", 0)),
+    }
+
+
+def check_lost(metrics: Mapping[str, float], max_fraction: float) -> None:
+    """LostEpisodesError when a step lost more than `max_fraction` of its episodes."""
+    if metrics["infra/lost_fraction"] > max_fraction:
+        raise LostEpisodesError(
+            f"{metrics['infra/lost_episodes']:.0f} episodes of this step ({metrics['infra/lost_fraction']:.1%}) were "
+            f"lost to rollout-server faults after rollout.max_episode_restarts regenerations each, more than "
+            f"rollout.max_lost_fraction={max_fraction:g} allows (each is logged with its length as 'LOST'). "
+            "Training on the rest would silently under-sample long rollouts. Fix the servers (timeouts: "
+            "rollout.request_timeout_s, rollout.read_timeout_per_token_s) and rerun the same command to resume.")
 
 
 def rollout_metrics(scored: Sequence[ScoredEpisode]) -> dict[str, float]:

@@ -124,7 +124,9 @@ def _variant(collector: Collector, saar: bool, plan: EvalPlan, scorer: _AnswerRe
     sc = dataclasses.replace(collector.agent.saar, enable=saar, rollback_probability=plan.saar_rollback_probability,
                              logprob_mode="recompute")
     agent = dataclasses.replace(collector.agent, saar=sc)
-    return Collector(collector.generate_for, collector.executor, collector.chat, agent, scorer)  # type: ignore[arg-type]
+    # a server fault during evaluation regenerates the episode like in training (row 1 of docs/reliability.md)
+    return Collector(collector.generate_for, collector.executor, collector.chat, agent, scorer,  # type: ignore[arg-type]
+                     recover=collector.recover, max_restarts=collector.max_restarts)
 
 
 async def _run_variant(collector: Collector, spec: BenchmarkSpec, saar: bool, out_dir: Path, plan: EvalPlan,

@@ -7,8 +7,20 @@ every sampling parameter explicitly, always asks for log-probs, reads only the s
 Routing: all turns of one trajectory go to the same server so its prefix cache hits
 (`client.session(key)` or `route_key=`); a new key goes to the server with the fewest requests
 in flight. A server that cannot be reached is retried with exponential back-off; for a
-connection failure the next attempt may move the key to another server (only the cache is lost).
-After the last attempt a `RolloutServerError` names the server and the cause.
+connection failure or a timeout the next attempt may move the key to another server (only the
+cache is lost). After the last attempt a `RolloutServerError` names the server and the cause.
+
+Faults (docs/reliability.md, row 1): a server that fails a connection and then its `/health`
+is taken out of the rotation as `unreachable` (the rollout fleet, `rollout/fleet.py`, puts it
+back once it serves the current weights). A trajectory's session (`client.session(key)`) is
+pinned to the server of its first answer: when that server dies, times out or leaves the
+rotation mid-trajectory, the session raises `ServerLostError` at once, and the collector
+regenerates the whole episode from its start elsewhere (its KV and prefix are gone).
+
+Timeouts: `connect_timeout_s` bounds opening a connection; a request may then wait for its
+answer `timeout_s + read_timeout_per_token_s * max_new_tokens` seconds, so a 20k-token turn gets
+the time it needs and a short one fails fast. Waiting for a free connection of the pool
+(`max_connections`, sized to the rollout concurrency) is not timed: it is not a server fault.
 """
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import aiohttp
@@ -33,7 +46,27 @@ class RolloutRequestError(ValueError):
     """The server rejected the request as invalid (HTTP 400); retrying would not help."""
 
 
+class ServerLostError(RolloutServerError):
+    """The server holding a trajectory's state died, timed out or left the rotation mid-trajectory:
+    the trajectory cannot be continued honestly elsewhere and must be regenerated from its start."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"{url} was lost mid-trajectory: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+UNREACHABLE = "unreachable"  # the out-of-rotation reason (prefix) of a server that failed a connection and /health
+
+
+class InvalidLogprobsError(RolloutServerError):
+    """The server answered, but with null or NaN log-probs: its weights are not finite (real SGLang
+    returns NaN log-probs as JSON null). A `RolloutServerError`, so the collector counts the
+    episode as an infrastructure failure instead of training on it or scoring it."""
+
+
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a body does not say (sizes the read timeout)
 
 
 @dataclasses.dataclass
@@ -56,6 +89,8 @@ class SGLangClient:
         *,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
+        read_timeout_per_token_s: float = 0.0,
+        max_connections: int = 100,
         retries: int = 3,
         backoff_s: float = 0.5,
         vocab_size: int | None = None,
@@ -65,13 +100,26 @@ class SGLangClient:
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
-        self.timeout_s = timeout_s
+        if not (timeout_s > 0 and connect_timeout_s > 0 and read_timeout_per_token_s >= 0 and max_connections >= 1):
+            raise ValueError(f"SGLangClient: timeout_s={timeout_s}, connect_timeout_s={connect_timeout_s} must be > 0, "
+                             f"read_timeout_per_token_s={read_timeout_per_token_s} >= 0, "
+                             f"max_connections={max_connections} >= 1")
+        self.timeout_s = timeout_s  # the read timeout's base: seconds an answer may take beyond its per-token allowance
         self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_per_token_s = read_timeout_per_token_s
+        self.max_connections = max_connections
+        # what went wrong since the last `take_counters()`: request_timeouts, request_failovers,
+        # servers_lost (taken out of the rotation as unreachable), trajectories_lost (ServerLostError raised)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._avoid: dict[str, _Server] = {}  # route key -> the server that timed out its trajectory (avoid next time)
         self.retries = retries
         self.backoff_s = backoff_s
         self.vocab_size = vocab_size
         self.max_routes = max_routes
         self._routes: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        # url -> why it may not take routed requests (e.g. it has not passed the current weight
+        # sync); requests pinned to a server (`server=`) still reach it: the sync's own probe.
+        self._out_of_rotation: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -80,7 +128,9 @@ class SGLangClient:
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # limit_per_host=0: one server may hold every connection (a single-server run)
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector)
             self._session_loop = loop
         return self._session
 
@@ -96,10 +146,13 @@ class SGLangClient:
         await self.close()
 
     def _server_for(self, route_key: str | None, exclude: _Server | None = None) -> _Server:
+        if route_key is not None and route_key in self._routes and self._routes[route_key].url in self._out_of_rotation:
+            self._routes.pop(route_key).routes -= 1  # its server left the rotation: route the key anew
         if route_key is not None and route_key in self._routes and self._routes[route_key] is not exclude:
             self._routes.move_to_end(route_key)
             return self._routes[route_key]
-        candidates = [s for s in self.servers if s is not exclude] or self.servers
+        rotation = self._in_rotation()
+        candidates = [s for s in rotation if s is not exclude] or rotation
         server = min(candidates, key=lambda s: (s.in_flight, s.routes))  # least loaded, then fewest keys
         if route_key is not None:
             old = self._routes.get(route_key)
@@ -111,38 +164,97 @@ class SGLangClient:
                 self._routes.popitem(last=False)[1].routes -= 1
         return server
 
+    def read_timeout_s(self, json_body: Any) -> float:
+        """Seconds a request may wait for its answer: the base plus the per-token allowance for
+        the most `max_new_tokens` any of its items asks for."""
+        params = json_body.get("sampling_params") if isinstance(json_body, dict) else None
+        items = params if isinstance(params, list) else [params or {}]
+        most = max(int(p.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)) for p in items) if items else 0
+        return self.timeout_s + self.read_timeout_per_token_s * most
+
+    def take_counters(self) -> dict[str, int]:
+        """The fault counters since the last call (then reset): one step's `infra/*` metrics."""
+        out = dict(self.counters)
+        self.counters.clear()
+        return out
+
     async def _request(
         self, method: str, path: str, *, server: _Server | None = None, route_key: str | None = None,
         json_body: Any = None, timeout_s: float | None = None, expect_json: bool = True,
     ) -> Any:
         """One HTTP call with retries; `server` pins the target (no failover)."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s, sock_connect=self.connect_timeout_s)
-        target = server or self._server_for(route_key)
+        out, _ = await self._send(method, path, server=server, route_key=route_key, json_body=json_body,
+                                  timeout_s=timeout_s, expect_json=expect_json)
+        return out
+
+    async def _send(
+        self, method: str, path: str, *, server: _Server | None = None, route_key: str | None = None,
+        json_body: Any = None, timeout_s: float | None = None, expect_json: bool = True, lose_fast: bool = False,
+    ) -> tuple[Any, _Server]:
+        """`_request`, also returning the server that answered. With `lose_fast` (a trajectory's
+        pinned turn), a timeout or a connection failure after which the server is unreachable
+        raises `ServerLostError` at once instead of retrying a server that lost the trajectory."""
+        read_s = timeout_s or self.read_timeout_s(json_body)
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s, sock_read=read_s)
+        avoid = self._avoid.pop(route_key, None) if route_key is not None else None
+        target = server or self._server_for(route_key, exclude=avoid)
         last_exc: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            target.in_flight += 1
+            tried = target
+            tried.in_flight += 1
             try:
-                async with self._get_session().request(method, target.url + path, json=json_body, timeout=timeout) as resp:
+                request = self._get_session().request(method, tried.url + path, json=json_body, timeout=timeout)
+                async with request as resp:
                     if resp.status == 400:
-                        raise RolloutRequestError(f"{method} {target.url}{path} → 400: {await resp.text()}")
+                        raise RolloutRequestError(f"{method} {tried.url}{path} → 400: {await resp.text()}")
                     if resp.status >= 500 or resp.status in (408, 429):
                         last_exc = RolloutServerError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
                         continue
                     if resp.status != 200:
-                        raise RolloutServerError(f"{method} {target.url}{path} → HTTP {resp.status}: {(await resp.text())[:500]}")
-                    return await resp.json(content_type=None) if expect_json else await resp.text()
+                        raise RolloutServerError(f"{method} {tried.url}{path} → HTTP {resp.status}: {(await resp.text())[:500]}")
+                    return (await resp.json(content_type=None) if expect_json else await resp.text()), tried
             except _RETRYABLE as exc:
                 last_exc = exc
-                log.warning("%s %s%s failed (attempt %d/%d): %r", method, target.url, path, attempt + 1, self.retries + 1, exc)
+                timed_out = isinstance(exc, asyncio.TimeoutError)
+                what = f"no answer within {read_s:.0f} s" if timed_out else repr(exc)
+                log.warning("%s %s%s failed (attempt %d/%d): %s", method, tried.url, path, attempt + 1,
+                            self.retries + 1, what)
+                if timed_out:
+                    self.counters["request_timeouts"] += 1
+                elif not await self.health(tried.url):
+                    self._lose(tried, what)
+                if lose_fast and (timed_out or tried.url in self._out_of_rotation):
+                    self.counters["trajectories_lost"] += 1
+                    if timed_out and route_key is not None and len(self._avoid) < self.max_routes:
+                        self._avoid[route_key] = tried  # its regeneration goes elsewhere when it can
+                    raise ServerLostError(tried.url, what) from exc
                 if server is None and len(self.servers) > 1:
-                    target = self._server_for(route_key, exclude=target)
+                    target = self._failover(route_key, tried)
             finally:
-                target.in_flight -= 1
+                tried.in_flight -= 1
         raise RolloutServerError(
             f"{method} {target.url}{path} failed after {self.retries + 1} attempts: {last_exc!r}"
         ) from last_exc
+
+    def _lose(self, server: _Server, why: str) -> None:
+        """Take a server that failed a connection and then /health out of the rotation."""
+        if server.url not in self._out_of_rotation:
+            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced",
+                      server.url, why)
+            self.counters["servers_lost"] += 1
+            self.take_out_of_rotation(server.url, f"{UNREACHABLE}: {why}")
+
+    def _failover(self, route_key: str | None, failed: _Server) -> _Server:
+        """Another server for a request that failed on `failed` (the same one when none is left)."""
+        try:
+            nxt = self._server_for(route_key, exclude=failed)
+        except RolloutServerError:  # every server is out of the rotation: keep retrying this one
+            return failed
+        if nxt is not failed:
+            self.counters["request_failovers"] += 1
+        return nxt
 
     # ------------------------------------------------------------------------- generation
 
@@ -169,7 +281,7 @@ class SGLangClient:
 
     async def score(
         self, input_ids: list[int], start: int, temperature: float = 1.0, *, route_key: str | None = None,
-        server: str | None = None,
+        server: str | None = None, lose_fast: bool = False,
     ) -> list[float]:
         """log p(input_ids[i] | <i) for i >= start (start >= 1), via `logprob_start_len`.
 
@@ -191,13 +303,35 @@ class SGLangClient:
             "input_ids": ids, "return_logprob": True, "logprob_start_len": start - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         }
-        out = await self.generate_raw(body, route_key=route_key, server=server)
+        pinned = self._by_url(server) if server is not None else None
+        out, _ = await self._send("POST", "/generate", server=pinned, route_key=route_key, json_body=body,
+                                  lose_fast=lose_fast)
         entries = out["meta_info"]["input_token_logprobs"]
         if len(entries) != len(ids) - start + 1 or [e[1] for e in entries[1:]] != ids[start:]:
             raise RolloutServerError(f"score: input_token_logprobs do not line up with input_ids[{start - 1}:]")
-        return [float(e[0]) for e in entries[1:]]
+        return checked_logprobs([e[0] for e in entries[1:]], f"score on {out['meta_info'].get('weight_version')!r}")
 
     # ------------------------------------------------------------------------- control
+
+    def _in_rotation(self) -> list[_Server]:
+        rotation = [s for s in self.servers if s.url not in self._out_of_rotation]
+        if not rotation:
+            why = "; ".join(f"{u}: {r}" for u, r in self._out_of_rotation.items())
+            raise RolloutServerError(f"no rollout server is in rotation ({why})")
+        return rotation
+
+    def take_out_of_rotation(self, url: str, reason: str) -> None:
+        """Route no new request (and no trajectory's next turn) to `url` until `put_in_rotation`;
+        the weight sync does this to every server it has not yet verified on the new weights."""
+        self._out_of_rotation[self._by_url(url).url] = reason
+
+    def put_in_rotation(self, url: str) -> None:
+        self._out_of_rotation.pop(self._by_url(url).url, None)
+
+    @property
+    def out_of_rotation(self) -> dict[str, str]:
+        """url -> why it takes no routed request now."""
+        return dict(self._out_of_rotation)
 
     def _by_url(self, url: str) -> _Server:
         for s in self.servers:
@@ -211,10 +345,17 @@ class SGLangClient:
     async def server_info(self, url: str) -> dict[str, Any]:
         return await self._request("GET", "/server_info", server=self._by_url(url))
 
+    async def models(self, url: str) -> dict[str, Any]:
+        """`/v1/models` (both servers: `data[0].max_model_len` is the served context length)."""
+        return await self._request("GET", "/v1/models", server=self._by_url(url))
+
     async def health(self, url: str) -> bool:
-        """True when /health answers 200; False when it answers anything else or nothing."""
+        """True when /health answers 200; False when it answers anything else or nothing.
+
+        On its own connection: the pool may be full of long generations when a server fails."""
+        timeout = aiohttp.ClientTimeout(total=10, sock_connect=min(self.connect_timeout_s, 10))
         try:
-            async with self._get_session().get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with aiohttp.ClientSession(timeout=timeout) as own, own.get(url.rstrip("/") + "/health") as resp:
                 return resp.status == 200
         except _RETRYABLE:
             return False
@@ -231,6 +372,24 @@ class SGLangClient:
                     if attempt == attempts - 1:
                         raise RolloutServerError(f"{server.url}/flush_cache refused {attempts} times (server never idle)")
                     await asyncio.sleep(0.05)
+
+    async def flush_cache_once(self, url: str) -> bool:
+        """One `/flush_cache`: True when flushed, False when the server refused (SGLang's 400
+        `Flush cache failed.` while any request is running or queued)."""
+        try:
+            await self._request("POST", "/flush_cache", server=self._by_url(url), expect_json=False)
+        except RolloutRequestError:
+            return False
+        return True
+
+    async def pause_generation(self, url: str, mode: str = "abort") -> None:
+        """`/pause_generation`: in "abort" mode running and queued requests return at once with
+        finish type "abort" and new ones wait for `continue_generation` (SGLang's weight-update
+        flow; a flush succeeds only on an idle server)."""
+        await self._request("POST", "/pause_generation", server=self._by_url(url), json_body={"mode": mode})
+
+    async def continue_generation(self, url: str) -> None:
+        await self._request("POST", "/continue_generation", server=self._by_url(url), json_body={})
 
     async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str, flush_cache: bool = True) -> dict[str, Any]:
         body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
@@ -250,17 +409,37 @@ class SGLangClient:
 class RoutedGenerate:
     """`Generate` and `Rescorer` for one trajectory (sticky to one server): its turns and the
     re-scoring of its spliced spans (SAAR rollout log-prob mode) hit the server that holds its
-    prefix."""
+    prefix.
+
+    The first call is routed by key (and, failing, retried on another server: nothing is lost
+    yet); every later call is pinned to the server that answered it. When that server times
+    out, dies or leaves the rotation, `ServerLostError` is raised at once: the trajectory must be
+    regenerated from its start (`agent/collect.py`)."""
 
     def __init__(self, client: SGLangClient, route_key: str) -> None:
         self.client = client
         self.route_key = route_key
+        self.server: _Server | None = None  # the server holding this trajectory's prefix, once it answered
+
+    def _pinned(self) -> _Server | None:
+        reason = self.client.out_of_rotation.get(self.server.url) if self.server is not None else None
+        if reason is not None:
+            self.client.counters["trajectories_lost"] += 1
+            raise ServerLostError(self.server.url, f"left the rotation ({reason})")
+        return self.server
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
-        return await self.client(input_ids, sampling, route_key=self.route_key)
+        ids = self.client._check_ids(input_ids)
+        body = {"input_ids": ids, "sampling_params": dict(sampling), "return_logprob": True}
+        pinned = self._pinned()
+        out, self.server = await self.client._send("POST", "/generate", server=pinned, route_key=self.route_key,
+                                                   json_body=body, lose_fast=pinned is not None)
+        return to_gen_output(out)
 
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
-        return await self.client.score(input_ids, start, temperature, route_key=self.route_key)
+        pinned = self._pinned()
+        return await self.client.score(input_ids, start, temperature, route_key=self.route_key,
+                                       server=pinned.url if pinned is not None else None, lose_fast=pinned is not None)
 
 
 def to_gen_output(resp: dict[str, Any]) -> GenOutput:
@@ -271,7 +450,8 @@ def to_gen_output(resp: dict[str, Any]) -> GenOutput:
     if kind not in ("stop", "length", "abort"):
         raise RolloutServerError(f"unexpected finish_reason {fr!r}")
     lps = meta.get("output_token_logprobs")
-    logprobs = [float(e[0]) for e in lps] if lps is not None else None
+    where = f"generation {meta.get('id')!r} on weights {meta.get('weight_version')!r}"
+    logprobs = checked_logprobs([e[0] for e in lps], where) if lps is not None else None
     matched = fr.get("matched") if kind == "stop" and isinstance(fr.get("matched"), int) else None
     return GenOutput(
         output_ids=[int(t) for t in resp["output_ids"]],
@@ -281,3 +461,14 @@ def to_gen_output(resp: dict[str, Any]) -> GenOutput:
         cached_tokens=int(meta.get("cached_tokens", 0)),
         weight_version=meta.get("weight_version"),
     )
+
+
+def checked_logprobs(values: list[Any], where: str) -> list[float]:
+    """`values` as floats; raises InvalidLogprobsError when any is null or NaN (non-finite served
+    weights: SGLang sends NaN as JSON null), naming the positions. -inf is a valid log-prob."""
+    bad = [i for i, v in enumerate(values) if v is None or math.isnan(float(v))]
+    if bad:
+        raise InvalidLogprobsError(
+            f"{where}: {len(bad)} of {len(values)} log-probs are null or NaN (first at positions {bad[:8]}); "
+            "the served weights are probably not finite: check the last weight sync")
+    return [float(v) for v in values]
