@@ -33,7 +33,8 @@ from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import qwen
 from cleaner_jax.rl.learner import Learner
-from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir
+from cleaner_jax.rollout.weight_sync import ContextBudgetError
+from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir, use_compilation_cache
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
 from cleaner_jax.wiring import eval_benchmarks, eval_plan, eval_specs, learner_config
 
@@ -70,8 +71,10 @@ def export_checkpoint(c: ml_collections.ConfigDict, workdir: Path, checkpoint: s
     root, step = parse_checkpoint(checkpoint)
     template = prepare_model_dir(c, workdir)
     mesh = make_mesh(c)
+    # The export runs no attention (so any attention_impl builds on any device); the parameter tree
+    # of the checkpoint depends on scan_layers.
     model = qwen.from_pretrained(template, mesh=mesh, param_dtype=c.model.param_dtype,
-                                 compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl)
+                                 compute_dtype=c.model.compute_dtype, scan_layers=c.model.scan_layers)
     learner = Learner(model, learner_config(c), mesh, checkpoint_dir=root)
     try:
         restored, _ = learner.restore(step)
@@ -95,6 +98,7 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     print(f"evaluating (log: {log_to_file(workdir / 'evaluate.log')})", flush=True)
+    use_compilation_cache(c)  # before anything compiles
     benchmarks = eval_benchmarks(c)
     if not benchmarks:
         raise app.UsageError("config.data.eval names no benchmark")
@@ -111,7 +115,10 @@ def main(argv: list[str]) -> None:
             c.model.tiny_init = False
             c.model.path = str(model_dir)
         session = stack.enter_context(Session(c, model_dir))
-        collector = session.start_rollout(model_dir)
+        try:
+            collector = session.start_rollout(model_dir)
+        except ContextBudgetError as err:
+            raise SystemExit(f"error: {err}") from None
         results = session.run(run_evaluation(
             collector, eval_specs(c, benchmarks), out, eval_plan(c), EpisodeCodec(episode_to_dict, episode_from_dict),
             resume=c.eval.resume, model=label, title=f"evaluation of {label}"))

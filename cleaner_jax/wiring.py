@@ -22,6 +22,7 @@ from cleaner_jax.data.benchmarks import load_user_benchmark, parse_eval_spec
 from cleaner_jax.data.problems import DataError, Problem, load_benchmark, load_training_set
 from cleaner_jax.eval.runner import BenchmarkSpec, EvalPlan
 from cleaner_jax.eval.settings import EvalSettings
+from cleaner_jax.rl.batch import bucket_widths
 from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.loss_scale import LossScaleConfig
 from cleaner_jax.rl.losses import LossConfig
@@ -44,7 +45,8 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
                                             splice_cap=r.saar.splice_cap),
                          optimizer=schema.gather(OptimizerConfig, r.optim, r.algo),
                          loss_scale=schema.gather(LossScaleConfig, r.train),
-                         logprob_micro_batch_size=r.algo.micro_batch_size)
+                         logprob_micro_batch_size=r.algo.micro_batch_size,
+                         bucket_widths=",".join(map(str, bucket_widths(r.algo.bucket_widths, r.agent.max_model_len))))
 
 
 def step_config(c: ml_collections.ConfigDict, pad_id: int) -> StepConfig:

@@ -34,6 +34,44 @@ def run(workdir: Path, steps: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of `pid`, from /proc (children that left its process group too)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_trainer(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the trainer's process group, then any descendant that had left the group (the
+    embedded rollout server runs in its own session): the test started them all. Returns those."""
+    def group(pid: int) -> int | None:
+        try:
+            return os.getpgid(pid)
+        except ProcessLookupError:  # exited since the listing
+            return None
+
+    escaped = [p for p in descendants(proc.pid) if group(p) not in (None, proc.pid)]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in escaped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return escaped
+
+
 def metrics_by_step(workdir: Path) -> dict[int, dict]:
     """Last row per step (a resumed run re-logs the steps after its checkpoint)."""
     rows = {}
@@ -43,11 +81,22 @@ def metrics_by_step(workdir: Path) -> dict[int, dict]:
     return rows
 
 
+_REFERENCE: dict[int, Path] = {}
+
+
+def reference_run(tmp_path_factory, steps: int = 3) -> Path:
+    """The uninterrupted toy run of `steps` steps, made once per test session: tests/test_trainer_kill.py
+    compares its killed-and-resumed runs against the same one (tests only read it)."""
+    if steps not in _REFERENCE:
+        wd = tmp_path_factory.mktemp(f"toy_uninterrupted_{steps}")
+        run(wd, steps=steps)
+        _REFERENCE[steps] = wd
+    return _REFERENCE[steps]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    wd = tmp_path_factory.mktemp("toy_a")
-    run(wd, steps=3)
-    return wd
+    return reference_run(tmp_path_factory)
 
 
 def test_toy_run_writes_events_checkpoint_dumps_and_eval(uninterrupted):
@@ -78,8 +127,7 @@ def test_kill_and_resume_repeats_the_next_step_exactly(uninterrupted, tmp_path):
             assert time.time() < deadline, "no checkpoint within the deadline"
             time.sleep(0.5)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_trainer(proc)
     run(wd, steps=3)  # resumes from the newest complete checkpoint
     a, b = metrics_by_step(uninterrupted), metrics_by_step(wd)
     for step in (2, 3):

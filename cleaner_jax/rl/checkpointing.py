@@ -4,15 +4,42 @@ else a resume needs (global step, data position, RNG state, ...).
 Restores always go into an abstract target built from the live arrays (shape, dtype *and*
 sharding): without shardings orbax refuses to restore on another topology, and a target also
 reshards on load if the mesh changed (docs/environment.md §2).
+
+A save is atomic (docs/reliability.md, row 3): Orbax writes step N into
+`N.orbax-checkpoint-tmp/`, puts `commit_success.txt` into it when every item is on disk and only
+then renames it to `N/`. A process killed inside a save therefore leaves a tmp directory, never
+a torn `N/`; a new save of the same step replaces it, and the trainer deletes such leftovers at
+start-up (`remove_unfinished_saves`; not Orbax's `cleanup_tmp_directories`, which every reader
+such as `evaluate --checkpoint` would run too, deleting a live run's save in flight). A step
+directory without `commit_success.txt` can only be one whose deletion (`max_to_keep`) was
+interrupted: `latest_step` and `restore` never use it.
+Orbax renames without fsync, so a commit survives a killed process, not necessarily a power cut.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+COMMIT_MARKER = "commit_success.txt"  # written by Orbax into a step's directory just before its commit
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # `<step><TMP_SUFFIX>/`: a save in progress (or killed)
+
+
+def remove_unfinished_saves(directory: str | os.PathLike) -> list[Path]:
+    """Delete the tmp directories that killed saves left in `directory`; returns them. Only the
+    directory's one writer may call this, before it saves (the trainer at start-up): a save in
+    flight looks the same."""
+    removed = sorted(p for p in Path(directory).glob(f"*{TMP_SUFFIX}") if p.is_dir())
+    for p in removed:
+        shutil.rmtree(p)
+        log.info("Checkpointer: removed %s, a save that was killed before its commit", p)
+    return removed
 
 
 def _abstract(tree: Any) -> Any:
@@ -43,10 +70,22 @@ class Checkpointer:
             raise RuntimeError(f"Checkpointer: orbax declined to save step {step} in {self.directory}")
 
     def latest_step(self) -> int | None:
-        return self._manager.latest_step()
+        """The newest committed step (None: no checkpoint)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Committed steps, ascending: those whose directory holds Orbax's commit marker. A save
+        still in flight is left out; a step directory without the marker (a deletion killed
+        half-way) is logged and left out."""
+        out = []
+        for step in sorted(self._manager.all_steps()):
+            if (self.directory / str(step) / COMMIT_MARKER).is_file():
+                out.append(step)
+            elif not (self.directory / f"{step}{TMP_SUFFIX}").exists():
+                log.warning("Checkpointer: %s has no %s (a deletion or copy that did not finish): not a "
+                            "checkpoint, never restored", self.directory / str(step), COMMIT_MARKER)
+        return out
 
     def restore(self, step: int | None, params_like: Any, opt_state_like: Any) -> tuple[int, Any, Any, dict[str, Any]]:
         """Load `step` (None = latest) into trees shaped and sharded like the given live ones.

@@ -4,7 +4,9 @@ A random tiny model never emits a tool call, so RL would have nothing to reinfor
 teacher (`cleaner_jax.toy.task.ToyTeacher`) writes demonstrations through the real agent loop and
 sandbox — some with a failing first call and its recovery — and a short NLL fit on their raw
 token buffers teaches the format. The result is saved as an HF directory so a resumed run (and
-the rollout server) starts from it without redoing the fit.
+the rollout server) starts from it without redoing the fit. The directory is written whole or not
+at all (`qwen.save_pretrained` writes a hidden sibling and renames it), so a run killed during the
+warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/reliability.md, row 3).
 """
 from __future__ import annotations
 

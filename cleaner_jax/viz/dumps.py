@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gzip
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -164,16 +165,35 @@ def step_records(step: int, scored: Sequence[ScoredEpisode], advantages: Sequenc
 def write_step(workdir: str | Path, step: int, scored: Sequence[ScoredEpisode], *, advantages: Sequence[float],
                gamma: float, pieces: Pieces, decode: Callable[[Sequence[int]], str],
                old_logprobs: Sequence[Sequence[float] | None] | None = None) -> Path:
-    """One step's dump (format 2), written whole to a temporary name and then renamed, so a
-    reader (the live viewer) never sees half a file."""
+    """One step's dump (format 2), written whole to a temporary name, fsync'd and then renamed,
+    so a reader (the live viewer) never sees half a file, nor a resumed run a torn one."""
     path = dump_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        for rec in step_records(step, scored, advantages, gamma, pieces, decode, old_logprobs):
-            f.write(json.dumps(rec) + "\n")
+    with open(tmp, "wb") as raw:
+        with gzip.open(raw, "wt", encoding="utf-8") as f:
+            for rec in step_records(step, scored, advantages, gamma, pieces, decode, old_logprobs):
+                f.write(json.dumps(rec) + "\n")
+        raw.flush()
+        os.fsync(raw.fileno())
     tmp.replace(path)
     return path
+
+
+def discard_after(workdir: str | Path, step: int) -> list[Path]:
+    """Remove the dumps of every step after `step` and the temporary files of unfinished writes:
+    on resume from checkpoint `step` those steps are trained again, and their dumps must be the
+    resumed run's (docs/reliability.md, row 3). Returns the removed files."""
+    d = Path(workdir) / "trajectories"
+    if not d.is_dir():
+        return []
+    removed = []
+    for p in sorted(d.iterdir()):
+        m = _STEP_FILE.match(p.name)
+        if (m and int(m.group(1)) > step) or (p.name.startswith("step_") and p.name.endswith(".tmp")):
+            p.unlink()
+            removed.append(p)
+    return removed
 
 
 @dataclasses.dataclass(frozen=True)
