@@ -250,7 +250,7 @@ class _StepLoop:
             if sync is not None:
                 metrics.update({
                     "time/weight_sync_s": sync.seconds, "weight_sync/probe_gap": max(sync.probe_gap.values(), default=0.0),
-                    **{f"weight_sync/{phase}": seconds for phase, seconds in sync.phases.items()},
+                    **{f"time/weight_sync/{phase}": seconds for phase, seconds in sync.phases.items()},
                 })
             self.writer.write(step + 1, metrics)
             self.writer.flush()

@@ -17,6 +17,10 @@ def paper_config(*, model: str, cleaner: bool, tools: bool = True):
     # one scanned layer body: the AOT memory report (docs/scaling.md) puts the unrolled 36-layer
     # Qwen3-4B step at 23k tokens at ~119 GiB per device on 4 devices against ~45 GiB scanned
     c.model.scan_layers = True
+    # the servers (launch/sglang_servers.sh) serve float16 = the compute dtype: a float16 export is
+    # exact for them and half the bytes of float32 (docs/reliability.md row 8); on a machine whose
+    # /dev/shm holds the export, add --config.train.weight_export_dir=/dev/shm
+    c.train.weight_export_dtype = "compute"
     c.sandbox.workers = 64  # the authors' sandbox pool (MAX_WORKERS=64, docs/authors.md §6)
     c.data.train = "Open-AgentRL-30K.parquet"  # override with the local path of the training file
     c.data.eval = "aime24,aime25"

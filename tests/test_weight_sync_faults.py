@@ -307,7 +307,7 @@ def test_trainer_stops_loudly_after_writing_a_checkpoint_when_the_sync_fails(tmp
         # resume starts at step 2 and must not lose them); no weight_sync/* row pretends the sync happened
         rows = [json.loads(line) for line in (wd / "tb" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "reward/mean" in r] == [1]
-        assert not any(k.startswith("weight_sync/") or k == "time/weight_sync_s" for r in rows for k in r)
+        assert not any(k.startswith(("weight_sync/", "time/weight_sync")) for r in rows for k in r)
     finally:
         server.stop()
 
@@ -365,28 +365,30 @@ def test_sglang_launch_passes_deterministic_inference_only_when_asked(tmp_path, 
 
 
 def test_flush_that_never_succeeds_fails_after_the_bounded_wait(servers):
-    """A second client keeps sending requests: each one that arrives after the pause waits in the
-    queue, so the server never goes idle; the sync gives up after idle_timeout_s, resumes
-    generation (the held requests then run) and says why."""
+    """A second client's request arrives while the server is paused: it waits in the queue, so the
+    server never goes idle; the sync gives up after idle_timeout_s, resumes generation (the held
+    request then runs) and says why. (A second client sending request after request would let a
+    flush through whenever all its requests happen to be between an answer and the next one.)"""
     a, _ = servers
-    stop = threading.Event()
     answers: list = []
+    second_client = threading.Thread(target=lambda: answers.append(call(a.url, "POST", "/generate", {
+        "input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 2}})))
 
-    def second_client():
-        while not stop.is_set():
-            answers.append(call(a.url, "POST", "/generate", {"input_ids": [3, 4, 5],
-                                                              "sampling_params": {"temperature": 0, "max_new_tokens": 2}}))
-    thread = threading.Thread(target=second_client)
-    thread.start()
+    class BusyWhilePaused(SGLangClient):
+        async def pause_generation(self, url: str, mode: str = "abort") -> None:
+            await super().pause_generation(url, mode)
+            second_client.start()
+            await asyncio.sleep(0.3)  # its request is queued, held until /continue_generation
+
+    client = BusyWhilePaused([a.url], retries=0)
+    t0 = time.monotonic()
     try:
-        client = SGLangClient([a.url], retries=0)
-        t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=rf"{a.url}/flush_cache still answers 400 'Flush cache failed\.' 0\.5 s "
                                                   r"after generation was paused.*rollout\.sync_idle_timeout_s"):
             run(client, sync_weights(client, checkpoint(1), "step-8", idle_timeout_s=0.5))
         assert time.monotonic() - t0 < 30
     finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive() and answers and all(status == 200 for status, _ in answers)  # generation resumed
+        second_client.join(timeout=60)
+    assert not second_client.is_alive() and [status for status, _ in answers] == [200]  # generation resumed
+    assert answers[0][1]["meta_info"]["finish_reason"]["type"] == "length"  # it ran, after the continue
     assert a.url in client.out_of_rotation

@@ -211,6 +211,10 @@ class Engine:
         with self._abort_lock:
             self._aborted.add(rid)
 
+    def forget_aborts(self, rids: list[str]) -> None:
+        """Drop pending aborts of requests that have finished (the scheduler, as a batch ends)."""
+        self._take_aborted(rids)
+
     def _take_aborted(self, rids: list[str]) -> set[str]:
         with self._abort_lock:
             hit = self._aborted.intersection(rids)

@@ -59,16 +59,16 @@ class BatchScheduler:
 
     def abort(self, rid: str) -> None:
         """Abort a queued or running request: it completes with finish type "abort"."""
+        # under the pending lock: a request's batch forgets its aborts under the same lock, so an
+        # abort racing the end of its batch can never stay behind in the engine's abort set
         with self._pending_lock:
-            known = rid in self._pending
-        if known:
-            self.engine.abort(rid)
+            if rid in self._pending:
+                self.engine.abort(rid)
 
     def abort_all(self) -> None:
         with self._pending_lock:
-            rids = list(self._pending)
-        for rid in rids:
-            self.engine.abort(rid)
+            for rid in self._pending:
+                self.engine.abort(rid)
 
     def pause(self) -> None:
         """SGLang's `/pause_generation` in "abort" mode: abort every request, running or queued,
@@ -154,6 +154,7 @@ class BatchScheduler:
                 with self._pending_lock:
                     for req, _ in batch:
                         self._pending.pop(req.rid, None)
+                    self.engine.forget_aborts([req.rid for req, _ in batch])
         for _, fut in self._drain():
             fut.set_exception(RuntimeError("BatchScheduler closed before the request ran"))
 
