@@ -3,7 +3,6 @@ the widths each rule names (by hand), the micro-batch plan against brute-force e
 every partition, and the bucketed learner against the padded one (log-probs, loss, metrics,
 gradients through the updated parameters, float16 loss scale and the non-finite skip), the
 number of compiles, and the config keys (bucket widths, compilation cache)."""
-import dataclasses
 import itertools
 import subprocess
 import sys
@@ -165,7 +164,7 @@ def test_bucketed_update_equals_padded(ckpt, loss):
     # padding by hand: padded path = every row at T; bucketed = sorted pairs at their bucket
     real = LENGTHS.sum()
     assert m_pad[0]["padded_token_frac"] == pytest.approx(1 - real / (B * T))
-    pairs = np.sort(LENGTHS).reshape(-1, 2)  # (5,7) (9,11) (12,23) (30,40) -> 12, 12, 24, 40
+    # the sorted lengths in pairs: (5,7) (9,11) (12,23) (30,40) -> widths 12, 12, 24, 40
     assert m_bkt[0]["padded_token_frac"] == pytest.approx(1 - real / (2 * (12 + 12 + 24 + 40)))
 
 
