@@ -404,6 +404,22 @@ def test_a_damaged_metrics_line_before_the_end_is_an_error_naming_it(tmp_path):
         MetricsWriter(tmp_path, keep_through=1)
 
 
+def kill_when_marked(script: str, args: list[str], marker: Path, timeout_s: float) -> None:
+    """Run `script` (python -c) with `args`, wait until it creates `marker` (the moment it has
+    reached the point to kill at), then SIGKILL its whole process group."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + timeout_s
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 _KILL_INSIDE_EXPORT = """
 import os, sys, time
 from pathlib import Path
@@ -429,17 +445,7 @@ def test_an_export_killed_inside_its_write_leaves_the_old_directory_whole(tmp_pa
     out = tmp_path / "exports" / "step_000002"
     qwen.save_pretrained(qwen.from_pretrained(old), out, tokenizer_from=old)
     marker = tmp_path / "torn"
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_INSIDE_EXPORT, str(new), str(out), str(marker)],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.01)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_when_marked(_KILL_INSIDE_EXPORT, [str(new), str(out), str(marker)], marker, 300)
     partial = out.parent / ".step_000002.partial"
     with pytest.raises(Exception):
         load_file(partial / "model.safetensors")  # torn, and only under the partial name
@@ -486,17 +492,7 @@ def test_a_checkpoint_killed_inside_its_commit_is_never_restored(tmp_path):
     from cleaner_jax.rl.checkpointing import Checkpointer, remove_unfinished_saves
 
     directory, marker = tmp_path / "checkpoints", tmp_path / "blocked"
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_INSIDE_ORBAX_COMMIT, str(directory), str(marker)],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.01)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_when_marked(_KILL_INSIDE_ORBAX_COMMIT, [str(directory), str(marker)], marker, 300)
     tmp = directory / "2.orbax-checkpoint-tmp"
     assert (tmp / "commit_success.txt").is_file() and not (directory / "2").exists()  # fully written, uncommitted
 
@@ -552,17 +548,7 @@ def test_what_was_flushed_is_in_both_files_when_the_writer_is_killed(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     marker = tmp_path / "flushed"
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_AFTER_FLUSH, str(tmp_path / "tb"), str(marker)],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.01)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_when_marked(_KILL_AFTER_FLUSH, [str(tmp_path / "tb"), str(marker)], marker, 120)
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("m/a")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
