@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from cleaner_jax.rollout.client import RolloutRequestError, RolloutServerError, ServerLostError, SGLangClient
+from cleaner_jax.rollout.fleet import free_loopback_port
 
 
 def canned(output_ids=(7, 8)) -> dict:
@@ -73,14 +74,6 @@ async def ok(request, n):
     return web.json_response(canned())
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(30)
 def test_generate_parses_sglang_response():
     srv = fake_server(ok)
@@ -112,7 +105,7 @@ def test_sticky_routing_per_trajectory_and_spread_of_new_keys():
 
 @pytest.mark.timeout(30)
 def test_dead_port_fails_clearly_after_retries():
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_loopback_port()}"
     client = SGLangClient(url, retries=2, backoff_s=0.01)
     t0 = time.monotonic()
     with pytest.raises(RolloutServerError, match=r"failed after 3 attempts") as info:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from cleaner_jax.models import qwen
 from cleaner_jax.models.params import NonFiniteWeightsError
 from cleaner_jax.rollout.client import InvalidLogprobsError, RolloutServerError, SGLangClient, to_gen_output
 from cleaner_jax.rollout.engine import Engine
+from cleaner_jax.rollout.fleet import free_loopback_port
 from cleaner_jax.rollout.server import start_server_in_thread
 from cleaner_jax.rollout.weight_sync import (ContextBudgetError, WeightSyncError, check_context_budget,
                                              export_checkpoint, sync_weights)
@@ -159,17 +159,11 @@ def test_directory_broken_after_the_canary_loaded_it_keeps_only_the_canary_in_ro
     assert {o.weight_version for o in outs} == {"step-4"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_killed_during_its_update_is_reported_as_died(servers):
     """Server B is a process of its own: stopped (SIGSTOP) once the canary passed its update, then
     killed while B's update requests wait on it."""
     a, _ = servers
-    port = free_port()
+    port = free_loopback_port()
     proc = subprocess.Popen([sys.executable, "-m", "cleaner_jax.rollout.server", "--model-path", str(checkpoint(0)),
                              "--port", str(port), "--max-batch", "2"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
