@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: the generated __eq__ would compare token arrays elementwise
 class CacheEntry:
     tokens: np.ndarray  # [n] int32: the tokens whose KV is stored, in order
     k: jax.Array  # [L, KV, P, hd], P >= n (padding slots are garbage)
@@ -53,6 +53,16 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def take_all(self) -> list[CacheEntry]:
+        """Remove and return every entry (their buffers can then be deleted at once)."""
+        entries, self._entries = self._entries, []
+        return entries
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the stored k and v buffers."""
+        return sum(int(e.k.nbytes) + int(e.v.nbytes) for e in self._entries)
 
     def lookup(self, tokens: Sequence[int], limit: int) -> tuple[CacheEntry | None, int]:
         """The entry sharing the longest prefix with `tokens`, and that length capped at `limit`."""

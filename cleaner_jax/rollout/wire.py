@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from typing import Any
 
 from aiohttp import web
 
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams, parse_sampling
+
+log = logging.getLogger(__name__)
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -51,6 +54,10 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
         if exc.status < 400:
             raise
         return error_response(exc.status, f"{exc.reason}: {exc.text}" if exc.text else exc.reason)
+    except Exception as exc:  # a bug: logged with its traceback, and its text sent instead of aiohttp's blank page
+        log.exception("internal error handling %s %s", request.method, request.path)
+        return error_response(500, f"internal error in {request.method} {request.path}: {type(exc).__name__}: {exc} "
+                              "(the server's log has the traceback)")
 
 
 def _per_item(value: Any, n: int, name: str, is_batch: bool) -> list[Any]:
