@@ -13,28 +13,42 @@ def get_config():
     c.model.tiny_num_layers = 2
     c.data.train = "toy"
     c.data.eval = "toy"
-    c.data.eval_limit = 16
-    c.data.toy_max_operand = 9  # one-digit operands and one operator: learnable by a tiny model in minutes
+    c.data.eval_limit = 128  # held-out problems (a different seed from the training ones)
+    c.data.toy_max_operand = 19  # 972 expressions, a quarter of them held out (toy.task.split_of)
     c.data.toy_num_ops = 1
-    c.eval.n = 2
+    c.eval.n = 4
+    # held-out evaluation samples like training does (the authors' evaluation top-p 0.6 would mostly
+    # hide the habits RL is meant to change: a 30% first-token choice falls outside the nucleus)
+    c.eval.top_p = 1.0
+    c.eval.max_concurrent_problems = 32
     c.agent.max_assistant_turns = 4
     c.agent.max_user_turns = 4
     c.agent.max_prompt_tokens = 512
-    c.agent.max_response_tokens = 384
+    c.agent.max_response_tokens = 256
     c.reward.overlong_buffer = 64
     c.sandbox.workers = 2
-    c.algo.group_size = 4
+    # every call shares ~60 characters of JSON boilerplate, so any two toy calls have a difflib
+    # ratio >= 0.8: gamma 0.9 puts the line between a typo fix (~0.99) and a different program
+    # (~0.85), as 0.5 does for the paper's long calls (docs/toy_world.md)
+    c.saar.gamma = 0.9
+    c.algo.group_size = 8
     c.algo.prompts_per_step = 4
     c.algo.mini_batches_per_step = 1
-    c.algo.micro_batch_size = 8
+    c.algo.micro_batch_size = 16
     c.algo.logprob_chunk = 128
-    c.optim.lr = 1e-4
+    c.optim.lr = 1e-3
     c.optim.warmup_steps = 2
     c.mesh.fsdp = 1
-    c.warmup_sft.steps = 150
+    # the warm start: a student with habits (docs/toy_world.md)
+    c.warmup_sft.steps = 300
     c.warmup_sft.lr = 3e-3
     c.warmup_sft.examples = 256
-    c.train.steps = 8
-    c.train.eval_every = 4
-    c.train.checkpoint_every = 4
+    c.warmup_sft.error_rate = 0.5
+    c.warmup_sft.deep_error_share = 0.5
+    c.warmup_sft.guess_rate = 0.3
+    c.warmup_sft.give_up_rate = 0.4
+    c.train.steps = 16
+    c.train.eval_before_train = True
+    c.train.eval_every = 16
+    c.train.checkpoint_every = 8
     return c

@@ -163,7 +163,7 @@ def test_killed_and_resumed_evaluation_reports_what_an_uninterrupted_one_does(mo
     for r in report:
         assert r["samples_per_problem"] == 2
         assert r["problems"] + r["problems_without_valid_samples"] == sizes[r["name"]]
-        assert r["settings"] == {"temperature": 1.0, "top_p": 0.6, "top_k": -1}
+        assert r["settings"] == {"temperature": 1.0, "top_p": 1.0, "top_k": -1}  # configs/toy.py: eval.top_p = 1.0
         assert r["ci"]["low"] <= r["mean_at_n"] <= r["ci"]["high"]
         assert set(r["pass_at_k"]) <= {"1", "2"} and set(r["maj_at_k"]) <= {"2"}
         assert r["timing"]["wall_s_per_problem"] > 0

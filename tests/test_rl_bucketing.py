@@ -41,7 +41,8 @@ def test_rules_name_the_widths_by_hand():
     assert bucket_widths("off", 23040) == ()
     # the paper budget 2560 + 20480: powers of two from 128 below it, then the budget itself
     assert bucket_widths("pow2", 2560 + 20480) == (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 23040)
-    assert bucket_widths("pow2", 512 + 384) == (128, 256, 512, 896)  # the toy run
+    assert bucket_widths("pow2", 512 + 384) == (128, 256, 512, 896)
+    assert bucket_widths("pow2", 512 + 256) == (128, 256, 512, 768)  # the toy run
     assert bucket_widths("pow2", 1000) == (128, 256, 512, 1024)  # budget rounded up to 128
     assert bucket_widths("pow2", 100) == (128,)
     assert bucket_widths("1024, 4096,8192", 8000) == (1024, 4096, 8192)
@@ -241,15 +242,15 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
 
 
 def test_config_bucket_widths_reach_the_learner_and_are_checked():
-    c = load_config("toy")  # budget 512 + 384
+    c = load_config("toy")  # budget 512 + 256
     assert c.algo.bucket_widths == "pow2"
-    assert wiring.learner_config(c).bucket_widths == "128,256,512,896"
+    assert wiring.learner_config(c).bucket_widths == "128,256,512,768"
     c.algo.bucket_widths = "off"
     assert wiring.learner_config(c).bucket_widths == "" and wiring.learner_config(c).widths == ()
     c.algo.bucket_widths = "256, 1024"
     assert wiring.learner_config(c).widths == (256, 1024)
     for bad, match in (("256,512", r"^config\.algo\.bucket_widths: the largest width 512 does not cover the "
-                                   r"sequence budget of 896 tokens"),
+                                   r"sequence budget of 768 tokens"),
                        ("1024,256", r"^config\.algo\.bucket_widths: '1024,256' must be strictly ascending"),
                        ("auto", r"^config\.algo\.bucket_widths: 'auto' is not a comma-separated list")):
         c.algo.bucket_widths = bad

@@ -309,7 +309,7 @@ def test_step_keys_reach_the_step_config():
     assert (faithful.old_logprobs, faithful.std_floor, faithful.singleton, faithful.exclude_zero_adv_groups) == (
         "recompute", 0.0, "authors", False)
     assert (faithful.max_response_tokens, faithful.overlong_buffer, faithful.pad_id, faithful.mini_batches) == (
-        384, 64, 3, 1)
+        256, 64, 3, 1)
     c.algo.adv_std_floor, c.algo.adv_singleton, c.algo.exclude_zero_adv_groups = 0.01, "zero", True
     got = wiring.step_config(c, pad_id=0)
     assert (got.std_floor, got.singleton, got.exclude_zero_adv_groups) == (0.01, "zero", True)

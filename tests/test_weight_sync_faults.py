@@ -30,6 +30,7 @@ from cleaner_jax.rollout.server import start_server_in_thread
 from cleaner_jax.rollout.weight_sync import (ContextBudgetError, WeightSyncError, check_context_budget,
                                              export_checkpoint, sync_weights)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
+from cleaner_jax.toy.vocabulary import TOY_VOCAB_SIZE, toy_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = [1, 5, 9, 40, 41, 42, 97, 300, 7, 2, 13]
@@ -281,7 +282,9 @@ def test_trainer_stops_loudly_after_writing_a_checkpoint_when_the_sync_fails(tmp
     """The whole run (python -m cleaner_jax.train) against a server of ours started on another
     checkpoint directory (other architecture): step 1's rollouts run, its sync is refused before any
     update, checkpoint 1 is written, and the run ends with `error: ...` naming the server."""
-    other = make_tiny_checkpoint(workdir() / "trainer_other_arch", seed=5, hidden_size=32, intermediate_size=64)
+    # the toy run's vocabulary (so its prompts are valid ids there), another hidden size
+    other = make_tiny_checkpoint(workdir() / "trainer_other_arch", seed=5, hidden_size=32, intermediate_size=64,
+                                 vocab_size=TOY_VOCAB_SIZE, tokenizer_corpus=toy_corpus("qwen3"))
     server = start_server_in_thread(str(other))
     wd = tmp_path / "run"
     try:

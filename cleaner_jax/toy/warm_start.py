@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent: AgentConfig,
-                                 problems: list[Problem], error_rate: float, seed: int):
+                                 problems: list[Problem], habits: toy_task.TeacherHabits, seed: int):
     """Raw teacher trajectories (failed first attempts and their recovery included).
 
     Only their raw token buffers are imitated, so no spliced span needs re-scoring: the teacher
@@ -44,7 +44,7 @@ async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent
     agent = dataclasses.replace(agent, saar=dataclasses.replace(agent.saar, logprob_mode="recompute"))
     rng = random.Random(seed)
     async def one(i, p):
-        teacher = toy_task.ToyTeacher(chat.tokenizer, p, rng, error_rate)
+        teacher = toy_task.ToyTeacher(chat.tokenizer, p, rng, habits=habits)
         # the loop's own draw (SAAR on/off) seeded per demonstration, never from the clock
         loop_rng = random.Random(f"{seed}:{i}")
         return await AgentLoop(teacher, executor, chat, agent, {"temperature": 1.0}, rng=loop_rng).run(p.messages)
@@ -57,8 +57,11 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
     """Fit `model_dir` on teacher demonstrations; write the result to `out_dir` (HF format)."""
     cfg = config.warmup_sft
     problems = toy_task.make_problems(cfg.examples, seed=10_000 + config.train.seed,
-                                      max_operand=config.data.toy_max_operand, num_ops=config.data.toy_num_ops)
-    demos = asyncio.run(teacher_demonstrations(chat, executor, agent, problems, cfg.error_rate, config.train.seed))
+                                      max_operand=config.data.toy_max_operand, num_ops=config.data.toy_num_ops,
+                                      split="train")
+    habits = toy_task.TeacherHabits(error_rate=cfg.error_rate, deep_share=cfg.deep_error_share,
+                                    guess_rate=cfg.guess_rate, give_up_rate=cfg.give_up_rate)
+    demos = asyncio.run(teacher_demonstrations(chat, executor, agent, problems, habits, config.train.seed))
     # advantage 1 on every row: the NLL loss imitates every demonstration token. The teacher's
     # log-probs are not a policy's, so no rollout log-probs (and no gap metrics) are passed.
     # One width for every step: a single compile.
