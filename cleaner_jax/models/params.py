@@ -5,6 +5,14 @@ and whether it is transposed (HF Linear weights are `[out, in]`, NNX kernels `[i
 Loading builds each array with `jax.make_array_from_callback`, reading from the file only the
 slice a device owns (safetensors `get_slice`), so with a mesh no device - and no host buffer -
 ever holds a full copy of a tensor it does not own.
+
+Export on several processes (`save_model`, docs/scaling.md "Weight export on several hosts"):
+one tensor at a time is gathered collectively (a jit every process runs, resharding it to
+replicated) and kept on host only by the process that writes its file (file k: process
+k % process_count). Not "each process writes what it owns": an HF file holds whole tensors,
+and an fsdp/tp-sharded tensor is whole on no host, so that route would need the same gather
+plus a file layout tied to the mesh. This way the files, index and bytes are those of a
+1-process export, whatever the mesh, and a host holds at most one file plus one tensor.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -222,96 +231,225 @@ class NonFiniteWeightsError(ValueError):
     """A parameter holds NaN or Inf: exporting it would make every server serve NaN log-probs."""
 
 
+class ExportFailedError(RuntimeError):
+    """Another process of a multi-process export failed, so nobody committed the directory."""
+
+
+DEFAULT_SHARD_BYTES = 5 * 10**9  # HF's "5GB" (decimal, as `max_shard_size` parses it)
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """HF's split (huggingface_hub `split_state_dict_into_shards_factory`): tensors in order, a new
+    file when the next would push the current one past `max_shard_bytes`; a tensor bigger than
+    that gets a file of its own."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes} (train.weight_export_shard_mb)")
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes:
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def shard_names(n: int) -> list[str]:
+    """HF's file names: one `model.safetensors`, or `model-0000k-of-0000n.safetensors` + the index."""
+    return [SAFETENSORS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
 def save_model(
-    model: Qwen, out_dir: Path, *, tokenizer_from: str | Path | None = None, max_shard_bytes: int = 5 * 2**30,
-    dtype: str | None = None, timings: dict[str, float] | None = None,
+    model: Qwen, out_dir: Path, *, tokenizer_from: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str | None = None, timings: dict[str, float] | None = None,
 ) -> Path:
-    """Write HF safetensors (index-sharded above `max_shard_bytes`) + config.json to `out_dir`.
+    """Write HF safetensors (index-sharded above `max_shard_bytes`) + config.json as `out_dir`.
+
+    Call it from every process of a multi-process run (it is collective; see the module
+    docstring): file k is written by process k % process_count, the index, config and tokenizer
+    by process 0, into a hidden sibling that process 0 renames to `out_dir` once every process
+    wrote its files. `out_dir` must be on a file system all processes share. A failure on any
+    process raises on every process (there: `ExportFailedError`) and leaves `out_dir` as it was.
 
     `dtype` (a `_NP_DTYPES` name; None = the model's param dtype) is the dtype of the written
     tensors: a server that serves in that dtype loads the same values it would have rounded to
     itself from a wider export. Every parameter is checked finite before anything is written
     (`NonFiniteWeightsError` names the tensor). The cast and the `[in, out]` -> `[out, in]`
-    transpose run on the device; sharded arrays are then gathered to host one tensor at a time,
-    and each output file is written before the next one is gathered, so host memory peaks at
-    about one output file. `timings`, when given, gets `gather_s` (device work + transfer) and
-    `write_s` (files) added.
+    transpose run on the device; arrays are then brought to host one tensor at a time, and each
+    output file is written before the next one is gathered, so host memory peaks at about one
+    output file plus one tensor. `timings`, when given, gets `gather_s` (device work + transfer)
+    and `write_s` (files) added.
     """
     export_dtype = model.config.param_dtype if dtype is None else dtype
     if export_dtype not in _NP_DTYPES:
         raise ValueError(f"save_model: dtype {export_dtype!r} is not one of {sorted(_NP_DTYPES)}")
+    itemsize = np.dtype(_NP_DTYPES[export_dtype]).itemsize
+    nproc, me = jax.process_count(), jax.process_index()
     t_gather = t_write = 0.0
     t0 = time.perf_counter()
-    _check_finite(model)
+    _check_finite(model)  # collective; every process raises alike
     t_gather += time.perf_counter() - t0
-    final_dir, out_dir = out_dir, partial_dir(out_dir)  # written whole, then renamed: commit_dir
     cfg = model.config
     state = nnx.state(model, nnx.Param)
     table = param_table(cfg)
     _check_table_matches_model(table, state)
-    groups: list[list[ParamEntry]] = [[]]
-    size = 0
-    for e in table:
-        nbytes = int(np.prod(_get_nested(state, e.path).shape[e.layer is not None:])) * np.dtype(_NP_DTYPES[export_dtype]).itemsize
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += nbytes
-    names = [SAFETENSORS] if len(groups) == 1 else [
-        f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))
-    ]
-    weight_map: dict[str, str] = {}
-    total = 0
-    for fname, group in zip(names, groups):
+    entries = {e.hf_name: e for e in table}
+    shapes = {e.hf_name: _hf_shape(_get_nested(state, e.path).shape, e) for e in table}
+    groups = plan_shards([(n, int(np.prod(s)) * itemsize) for n, s in shapes.items()], max_shard_bytes)
+    names = shard_names(len(groups))
+    final_dir, out_dir = out_dir, _partial_dir_everywhere(out_dir)
+    error: BaseException | None = None
+    for k, (fname, group) in enumerate(zip(names, groups)):
+        mine = k % nproc == me
         tensors = {}
         t0 = time.perf_counter()
-        for e in group:
-            arr = np.asarray(jax.device_get(_to_hf_layout(_entry_value(state, e), e.transpose, export_dtype)))
-            tensors[e.hf_name] = np.ascontiguousarray(arr)
-            weight_map[e.hf_name] = fname
-            total += tensors[e.hf_name].nbytes
+        for name in group:
+            arr = _gather_tensor(state, entries[name], export_dtype, to_host=mine)
+            if arr is not None:
+                tensors[name] = arr
         t1 = time.perf_counter()
-        save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        if mine and error is None:
+            try:
+                save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+                _fsync(out_dir / fname)  # by its writer: process 0's fsync may not reach another host's cache
+            except Exception as exc:  # re-raised after every process learnt of it (_agree)
+                error = exc
         t_gather += t1 - t0
         t_write += time.perf_counter() - t1
         del tensors
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
-    hf_config = cfg.to_hf()
-    hf_config["torch_dtype"] = hf_config["dtype"] = export_dtype  # what the tensors are stored in
+        if error is not None and nproc == 1:
+            break  # nobody else waits on this process's gathers
     t0 = time.perf_counter()
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if me == 0 and error is None:
+        try:
+            if len(groups) > 1:
+                (out_dir / INDEX).write_text(hf_index(groups, names, shapes, itemsize))
+            hf_config = cfg.to_hf()
+            hf_config["torch_dtype"] = hf_config["dtype"] = export_dtype  # what the tensors are stored in
+            (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+            if tokenizer_from is not None:
+                _copy_tokenizer(Path(tokenizer_from), out_dir)
+        except Exception as exc:  # re-raised below, on every process
+            error = exc
     t_write += time.perf_counter() - t0
+    _agree(error, f"writing {final_dir}")
     if timings is not None:
         timings["gather_s"] = timings.get("gather_s", 0.0) + t_gather
         timings["write_s"] = timings.get("write_s", 0.0) + t_write
-    if tokenizer_from is not None:
-        _copy_tokenizer(Path(tokenizer_from), out_dir)
-    return commit_dir(out_dir, final_dir)
+    if me == 0:
+        try:
+            commit_dir(out_dir, final_dir)
+        except Exception as exc:  # re-raised below, on every process
+            error = exc
+    _agree(error, f"renaming {out_dir} to {final_dir}")
+    return final_dir
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _to_hf_layout(x: jax.Array, transpose: bool, dtype: str) -> jax.Array:
-    """NNX `[in, out]` -> HF `[out, in]` and the export dtype, on the device that holds `x`."""
-    x = x.astype(jnp.dtype(dtype))
-    return x.T if transpose else x
+def hf_index(groups: list[list[str]], names: list[str], shapes: dict[str, tuple[int, ...]], itemsize: int) -> str:
+    """`model.safetensors.index.json` as transformers writes it (sorted keys, indent 2, newline)."""
+    weight_map = {n: fname for fname, group in zip(names, groups) for n in group}
+    numel = sum(int(np.prod(shapes[n])) for n in weight_map)
+    index = {"metadata": {"total_parameters": numel, "total_size": numel * itemsize}, "weight_map": weight_map}
+    return json.dumps(index, indent=2, sort_keys=True) + "\n"
 
 
-@jax.jit
-def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves])  # [num tensors] bool
+def _hf_shape(shape: tuple[int, ...], e: ParamEntry) -> tuple[int, ...]:
+    one = shape[1:] if e.layer is not None else shape
+    return tuple(one[::-1]) if e.transpose else tuple(one)
+
+
+def _gather_tensor(state: nnx.State, e: ParamEntry, dtype: str, *, to_host: bool) -> np.ndarray | None:
+    """HF tensor `e.hf_name` in HF layout and `dtype`, on host (`to_host`) or None.
+
+    An array spanning other processes' devices is resharded to replicated by a jit every process
+    runs (the gather is collective); a process that does not write it only waits for it."""
+    x = _get_nested(state, e.path)
+    layer = 0 if e.layer is None else e.layer
+    if x.is_fully_addressable:
+        y = _layout_fn(e.transpose, dtype, e.layer is not None, None)(x, layer)
+        return np.ascontiguousarray(jax.device_get(y)) if to_host else None
+    y = _layout_fn(e.transpose, dtype, e.layer is not None, _replicated(x, e.hf_name))(x, layer)
+    if not to_host:
+        y.block_until_ready()  # bounds the device memory of gathers queued ahead of the writer
+        return None
+    return np.ascontiguousarray(np.asarray(y.addressable_data(0)))
+
+
+def _replicated(x: jax.Array, what: str) -> jax.sharding.NamedSharding:
+    if not isinstance(x.sharding, jax.sharding.NamedSharding):
+        raise TypeError(f"{what}: a multi-process export needs NamedSharding parameters (as qwen.from_pretrained(mesh=) "
+                        f"makes), got {type(x.sharding).__name__}")
+    return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_fn(transpose: bool, dtype: str, stacked: bool, out_sharding: jax.sharding.Sharding | None):
+    """NNX `[in, out]` (layer `layer` of a stacked `[L, in, out]`) -> HF `[out, in]` in `dtype`, on
+    device; with `out_sharding` (replicated) the result is also gathered to every device."""
+
+    def layout(x: jax.Array, layer: jax.Array) -> jax.Array:
+        x = (x[layer] if stacked else x).astype(jnp.dtype(dtype))
+        return x.T if transpose else x
+
+    return jax.jit(layout) if out_sharding is None else jax.jit(layout, out_shardings=out_sharding)
+
+
+def _agree(error: BaseException | None, what: str) -> None:
+    """Raise on every process if `what` failed on any (a collective in a multi-process run): the
+    failing process re-raises its own error, the others an ExportFailedError naming it."""
+    if jax.process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))  # [processes]
+    if error is not None:
+        raise error
+    if failed.any():
+        raise ExportFailedError(f"{what} failed on process(es) {np.flatnonzero(failed).tolist()} (see their logs); "
+                                "the directory was not committed")
+
+
+def _partial_dir_everywhere(final: Path) -> Path:
+    """`partial_dir(final)`, made by process 0 and checked visible to every process."""
+    tmp = final.parent / f".{final.name}.partial"
+    error: BaseException | None = None
+    if jax.process_index() == 0:
+        try:
+            partial_dir(final)
+        except Exception as exc:  # re-raised by _agree, on every process
+            error = exc
+    _agree(error, f"creating {tmp}")
+    if not tmp.is_dir():
+        error = FileNotFoundError(
+            f"process {jax.process_index()} does not see {tmp}, which process 0 created: a multi-process export "
+            "must go to a directory every process shares (NFS, or train.weight_export_dir on a shared mount)")
+    _agree(error, f"seeing {tmp} from every process")
+    return tmp
+
+
+@functools.lru_cache(maxsize=None)
+def _all_finite_fn(out_sharding: jax.sharding.Sharding | None):
+    def all_finite(leaves: list[jax.Array], stacked: tuple[bool, ...]) -> list[jax.Array]:
+        # per array: a bool, or [L] bools for a stacked one (one per HF tensor)
+        return [jnp.isfinite(x).reshape(x.shape[0], -1).all(-1) if s else jnp.isfinite(x).all()
+                for x, s in zip(leaves, stacked)]
+
+    return jax.jit(all_finite, static_argnums=1, out_shardings=out_sharding)
 
 
 def _check_finite(model: Qwen) -> None:
     """Raise NonFiniteWeightsError naming every parameter with a NaN or Inf (checked on device,
-    one small transfer)."""
+    one small transfer; collective when the arrays span several processes)."""
     state = nnx.state(model, nnx.Param)
     table = param_table(model.config)
-    leaves = [_entry_value(state, e) for e in table]
-    ok = np.asarray(jax.device_get(_all_finite(leaves)))
-    bad = [e.hf_name for e, good in zip(table, ok) if not good]
+    paths = list(dict.fromkeys(e.path for e in table))
+    leaves = [_get_nested(state, p) for p in paths]
+    stacked = tuple(any(e.layer is not None for e in table if e.path == p) for p in paths)
+    local = all(x.is_fully_addressable for x in leaves)
+    out = _all_finite_fn(None if local else _replicated(leaves[0], "the finiteness check"))(leaves, stacked)
+    ok = {p: np.asarray(v) for p, v in zip(paths, out)}  # replicated: readable on every process
+    bad = [e.hf_name for e in table if not (ok[e.path] if e.layer is None else ok[e.path][e.layer])]
     if bad:
         raise NonFiniteWeightsError(
             f"{len(bad)} parameter(s) hold NaN or Inf, first {bad[:4]}: not exported, since every server would "

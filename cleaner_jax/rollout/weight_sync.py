@@ -68,10 +68,14 @@ class SyncReport:
 
 
 def export_checkpoint(model: Any, out_dir: str | Path, tokenizer_from: str | Path | None, *,
-                      dtype: str | None = None, timings: dict[str, float] | None = None) -> Path:
+                      dtype: str | None = None, timings: dict[str, float] | None = None,
+                      max_shard_bytes: int = params.DEFAULT_SHARD_BYTES) -> Path:
     """Write the learner's NNX model as an HF directory that SGLang and our server load, in `dtype`
-    (None: the param dtype); NaN/Inf parameters are refused (`params.NonFiniteWeightsError`)."""
-    return params.save_model(model, Path(out_dir), tokenizer_from=tokenizer_from, dtype=dtype, timings=timings)
+    (None: the param dtype), index-sharded above `max_shard_bytes` per file (train.weight_export_shard_mb);
+    NaN/Inf parameters are refused (`params.NonFiniteWeightsError`). Collective in a multi-process
+    run: every process calls it (`params.save_model`)."""
+    return params.save_model(model, Path(out_dir), tokenizer_from=tokenizer_from, dtype=dtype, timings=timings,
+                             max_shard_bytes=max_shard_bytes)
 
 
 # ----------------------------------------------------------------------------- the export check
@@ -91,11 +95,15 @@ def read_signature(path: str | Path) -> Signature:
     path = Path(path)
     try:
         config = params.read_config(path)
-        files = params.weight_files(path)
+        files = params.weight_files(path)  # from the index when the directory is sharded
         shapes: dict[str, tuple[int, ...]] = {}
         dtypes: set[str] = set()
         for f in sorted(set(files.values())):
             with safe_open(f, framework="numpy") as handle:
+                held, listed = set(handle.keys()), {n for n, g in files.items() if g == f}
+                if held != listed:  # a server loads by the index: a stray or absent tensor is a torn export
+                    raise ValueError(f"{f.name} holds {sorted(held - listed)[:4]} not listed for it in {params.INDEX} "
+                                     f"and lacks {sorted(listed - held)[:4]} listed for it")
                 for name in handle.keys():
                     tensor = handle.get_slice(name)
                     shapes[name] = tuple(tensor.get_shape())
@@ -338,10 +346,13 @@ async def export_and_sync(
     *,
     tokenizer_from: str | Path | None = None,
     dtype: str | None = None,
+    max_shard_bytes: int = params.DEFAULT_SHARD_BYTES,
     **sync: Any,
 ) -> SyncReport:
-    """`export_checkpoint` (in `dtype`, None = param dtype) then `sync_weights` (its keyword arguments)."""
+    """`export_checkpoint` (in `dtype`, None = param dtype; files up to `max_shard_bytes`) then
+    `sync_weights` (its keyword arguments)."""
     timings: dict[str, float] = {}
     path = await asyncio.get_running_loop().run_in_executor(
-        None, lambda: export_checkpoint(model, out_dir, tokenizer_from, dtype=dtype, timings=timings))
+        None, lambda: export_checkpoint(model, out_dir, tokenizer_from, dtype=dtype, timings=timings,
+                                        max_shard_bytes=max_shard_bytes))
     return await sync_weights(client, path, weight_version, timings=timings, **sync)

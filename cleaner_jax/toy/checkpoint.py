@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,17 +40,32 @@ _CORPUS = [
 ] * 3
 
 
-def build_tokenizer(out_dir: str | os.PathLike, family: Family = "qwen3", vocab_size: int = 480):
+# Qwen2/Qwen3's pre-tokenizer split (their tokenizer.json): every digit is a token of its own,
+# so a number is the same tokens wherever it appears (question, code, tool output, \boxed{}).
+QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_tokenizer(out_dir: str | os.PathLike, family: Family = "qwen3", vocab_size: int = 480,
+                    corpus: Sequence[str] | None = None, qwen_split: bool = False):
     """Train a small byte-level BPE tokenizer on a fixed corpus and save it with a chat template.
 
-    Returns the `transformers` tokenizer (also saved to `out_dir`). Deterministic: the same
-    arguments always produce the same vocabulary.
+    `corpus` replaces the generic built-in one (the toy world trains its vocabulary on its own
+    texts, `cleaner_jax.toy.vocabulary`); `qwen_split` pre-tokenizes the way Qwen's tokenizers
+    do (digits one by one) instead of GPT-2's byte-level regex. Returns the `transformers`
+    tokenizer (also saved to `out_dir`). Deterministic: the same arguments always produce the
+    same vocabulary.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if qwen_split:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -57,7 +73,7 @@ def build_tokenizer(out_dir: str | os.PathLike, family: Family = "qwen3", vocab_
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(_CORPUS if corpus is None else list(corpus), trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -144,6 +160,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     num_shards: int = 1,
     with_tokenizer: bool = True,
+    tokenizer_corpus: Sequence[str] | None = None,
     **config_overrides: Any,
 ) -> Path:
     """Write a random tiny Qwen checkpoint (+ tokenizer) to `out_dir` and return the path.
@@ -154,7 +171,11 @@ def make_tiny_checkpoint(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out, family) if with_tokenizer else None
+    tok = None
+    if with_tokenizer:
+        tok = (build_tokenizer(out, family) if tokenizer_corpus is None else
+               build_tokenizer(out, family, vocab_size=config_overrides.get("vocab_size", 512) - len(ADDED_TOKENS),
+                               corpus=tokenizer_corpus, qwen_split=True))
     cfg = tiny_config(family, **config_overrides)
     if tok is not None:
         cfg["eos_token_id"] = tok.convert_tokens_to_ids("<|im_end|>")
@@ -195,5 +216,7 @@ def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: in
         save_file({n: tensors[n] for n in chunk}, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in chunk})
     total = int(sum(t.nbytes for t in tensors.values()))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    numel = int(sum(t.size for t in tensors.values()))
+    index = {"metadata": {"total_parameters": numel, "total_size": total}, "weight_map": weight_map}
+    # as transformers writes it (modeling_utils.save_pretrained)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
