@@ -110,16 +110,21 @@ class Collector:
         return out
 
     async def collect(self, problems: Sequence[Problem], n: int, sampling: dict[str, Any],
-                      seed: int) -> list[ScoredEpisode]:
-        """`n` scored episodes per problem, ordered problem-major (group g = problems[g]).
+                      seed: int, first_group: int = 0) -> list[ScoredEpisode]:
+        """`n` scored episodes per problem, ordered problem-major (group first_group + g = problems[g]).
 
         Everything random in episode i (sampling seeds, the SAAR rollback draw) derives from
         `(seed, i)`, so the same call returns the same episodes. `seed` must carry the run's
         seed: the trainer passes `cleaner_jax.train.rollout_seed(train.seed, step)`, so two
         runs differ in their rollouts exactly when their train.seed (or step) does.
+        `first_group`: the problems are groups first_group.. of a larger step (one learner
+        process's `distributed.share`), so episode i here is episode first_group * n + i of the
+        whole step and gets that episode's seeds: the processes' episodes together are the
+        one-process run's.
         """
-        jobs = [(g, p) for g, p in enumerate(problems) for _ in range(n)]
-        tasks = [asyncio.ensure_future(self._one(g, p, sampling, f"{seed}:{i}")) for i, (g, p) in enumerate(jobs)]
+        jobs = [(first_group + g, p) for g, p in enumerate(problems) for _ in range(n)]
+        tasks = [asyncio.ensure_future(self._one(g, p, sampling, f"{seed}:{first_group * n + i}"))
+                 for i, (g, p) in enumerate(jobs)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:  # e.g. no server came back: stop the other episodes before raising

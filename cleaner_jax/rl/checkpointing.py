@@ -14,6 +14,14 @@ such as `evaluate --checkpoint` would run too, deleting a live run's save in fli
 directory without `commit_success.txt` can only be one whose deletion (`max_to_keep`) was
 interrupted: `latest_step` and `restore` never use it.
 Orbax renames without fsync, so a commit survives a killed process, not necessarily a power cut.
+
+Several learner processes (`cleaner_jax.distributed`): every process calls `save` and `restore`
+with its own shards of the global arrays (Orbax's multi-process checkpointing: process 0 creates
+the directories, writes the JSON item, the commit marker and does the rename after every process
+wrote its shards); `latest_step` and `all_steps` read the marker from the directory, which must
+therefore be on a file system every process sees (tests/test_multihost.py saves with 2 processes
+and restores on both). `remove_unfinished_saves` stays the job of one process (process 0), before
+any process saves.
 """
 from __future__ import annotations
 

@@ -91,6 +91,27 @@ class MetricsWriter:
         self.close()
 
 
+class NullMetricsWriter:
+    """`MetricsWriter`'s interface writing nothing: the trainer's learner processes other than
+    process 0 (`cleaner_jax.distributed`) log the same global numbers, which process 0 alone
+    writes, so the shared workdir holds one metrics.jsonl and one event stream."""
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        del step, metrics
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "NullMetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class _EventFile:
     """A TensorBoard event file (TFRecords of `Event` protos, as tensorboardX and TensorFlow write
     them: little-endian length, masked CRC-32C of the length, payload, masked CRC-32C of it),

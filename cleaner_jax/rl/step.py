@@ -19,6 +19,14 @@ Old log-probs (docs/estimators.md §1): "recompute" is verl's decoupled mode, th
 (docs/authors.md §3): the learner recomputes pi_old on the purified sequences once per step and
 the rollout log-probs enter only the rollout-IS weight (`algo.tis`). "rollout" is bypass mode:
 pi_old is the rollout engine's, so a rollout-IS weight would be pi_old / pi_rollout = 1.
+
+Several learner processes (`cleaner_jax.distributed`): each calls `rl_step` on its own share of
+the step's episodes, made of whole groups (group statistics need the whole group in one
+process; `distributed.share` splits the prompts). Each process builds its rows of the global
+batch, all with the same row count and width (`process_layout`), and the learner assembles the
+global batch on the devices. The step's metrics are reduced across processes as (sum, count)
+pairs (`splice/*` from every process's spliced tokens, so its percentiles are exact), so every
+process returns the same global numbers, those of one process holding all the episodes.
 """
 from __future__ import annotations
 
@@ -26,9 +34,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
+import jax
 import numpy as np
 
-from cleaner_jax import schema
+from cleaner_jax import distributed, schema
 from cleaner_jax.rl.advantages import AdvantageResult, Estimator, Singleton, compute_advantages, overlong_penalty
 from cleaner_jax.rl.batch import Batch, from_trajectories
 from cleaner_jax.rl.learner import Learner
@@ -87,23 +96,30 @@ def group_advantages(scored: Sequence[ScoredEpisode], rewards: np.ndarray, estim
 
 
 def build_batch(scored: Sequence[ScoredEpisode], advantages: np.ndarray, *, pad_id: int,
-                rows_multiple_of: int = 1, width_bucket: int = 128) -> Batch:
+                rows_multiple_of: int = 1, width_bucket: int = 128, layout: tuple[int, int] | None = None) -> Batch:
     """The learner batch of the valid episodes' purified trajectories, in `scored` order.
 
     The row count is padded up to `rows_multiple_of` with copies of the first row whose loss
     mask, advantage and `correct` flag are 0 (they train nothing), so micro- and mini-batches
     divide it; the width is rounded up to a multiple of `width_bucket`. `correct` is each
     episode's `acc`. `old_logprobs` stay None (see `with_old_logprobs`).
+    `layout` = (rows, width) fixes both instead (one learner process's share of a global batch,
+    `process_layout`); a share without a valid episode is then all filler rows.
     """
     keep = valid_rows(scored)
-    if not len(keep):
+    if not len(keep) and layout is None:
         raise ValueError("build_batch: no valid episode in this step (every rollout hit an infrastructure failure)")
+    if not len(keep):
+        return _filler_batch(layout[0], layout[1], pad_id)
     trajectories = [scored[i].episode.purified for i in keep]
     longest = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    width = -(-longest // width_bucket) * width_bucket if layout is None else layout[1]
     batch = from_trajectories(trajectories, np.asarray(advantages, dtype=np.float32)[keep], pad_id=pad_id,
-                              width=-(-longest // width_bucket) * width_bucket)
+                              width=width)
     batch = dataclasses.replace(batch, correct=np.array([float(scored[i].acc) for i in keep], np.float32))
-    extra = (-len(keep)) % rows_multiple_of
+    extra = (-len(keep)) % rows_multiple_of if layout is None else layout[0] - len(keep)
+    if extra < 0:
+        raise ValueError(f"build_batch: {len(keep)} valid episodes do not fit layout={layout}")
     if not extra:
         return batch
     first = batch.rows(np.zeros(extra, dtype=np.int64))
@@ -112,6 +128,37 @@ def build_batch(scored: Sequence[ScoredEpisode], advantages: np.ndarray, *, pad_
     return Batch(**{f.name: None if getattr(batch, f.name) is None
                     else np.concatenate([getattr(batch, f.name), getattr(filler, f.name)])
                     for f in dataclasses.fields(Batch)})
+
+
+def _filler_batch(rows: int, width: int, pad_id: int) -> Batch:
+    """`rows` rows that train nothing: one attended pad token each (a fully masked row could
+    give the attention softmax nothing to normalise), loss mask, advantage and flags 0."""
+    attention = np.zeros((rows, width), np.float32)
+    attention[:, 0] = 1
+    zeros = np.zeros((rows, width), np.float32)
+    return Batch(np.full((rows, width), pad_id, np.int32), attention, zeros, np.zeros(rows, np.float32),
+                 rollout_logprobs=zeros, behaviour_logprobs=zeros, splice_kind=np.zeros((rows, width), np.int32),
+                 correct=np.zeros(rows, np.float32))
+
+
+def process_layout(scored: Sequence[ScoredEpisode], rows_multiple_of: int, width_bucket: int) -> tuple[int, int]:
+    """(rows, width) of every learner process's share of the global batch: the most valid
+    episodes any process holds, padded so that the global row count (rows x processes) is a
+    multiple of `rows_multiple_of`, and the longest sequence of any process rounded up to a
+    multiple of `width_bucket`. Every process must call it (one small collective)."""
+    processes = jax.process_count()
+    if rows_multiple_of % processes:
+        raise ValueError(f"process_layout: {rows_multiple_of} rows per mini-batch block do not split over "
+                         f"{processes} learner processes: use a micro-batch size that is a multiple of it")
+    keep = valid_rows(scored)
+    longest = max((len(scored[i].episode.purified.prompt_ids) + len(scored[i].episode.purified.response_ids)
+                   for i in keep), default=0)
+    most, longest = distributed.gather_rows(np.asarray([[len(keep), longest]], np.int64)).max(axis=0)
+    if most == 0:
+        raise ValueError("build_batch: no valid episode in this step in any learner process (every rollout hit an "
+                         "infrastructure failure)")
+    per = rows_multiple_of // processes
+    return int(-(-most // per) * per), int(-(-longest // width_bucket) * width_bucket)
 
 
 def valid_rows(scored: Sequence[ScoredEpisode]) -> np.ndarray:
@@ -182,11 +229,12 @@ def rl_step_with_old_logprobs(learner: Learner, scored: Sequence[ScoredEpisode],
     what a dump shows beside the behaviour log-probs."""
     rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
     adv = group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton)
-    batch = build_batch(scored, adv.advantages, pad_id=cfg.pad_id,
-                        rows_multiple_of=learner.cfg.micro_batch_size * cfg.mini_batches,
-                        width_bucket=cfg.width_bucket)
+    multiple = learner.cfg.micro_batch_size * cfg.mini_batches
+    layout = process_layout(scored, multiple, cfg.width_bucket) if jax.process_count() > 1 else None
+    batch = build_batch(scored, adv.advantages, pad_id=cfg.pad_id, rows_multiple_of=multiple,
+                        width_bucket=cfg.width_bucket, layout=layout)
     batch = with_old_logprobs(learner, batch, cfg.old_logprobs)
-    diagnostics = splice_metrics(batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask, batch.splice_kind)
+    diagnostics = global_splice_metrics(batch)
     if cfg.exclude_zero_adv_groups:  # after the diagnostics, which describe every valid episode
         rows = valid_rows(scored)
         zero = np.zeros(batch.num_rows, dtype=bool)  # filler rows already train nothing
@@ -194,7 +242,40 @@ def rl_step_with_old_logprobs(learner: Learner, scored: Sequence[ScoredEpisode],
         batch = without_rows(batch, zero)
     out = minibatch_update(learner, batch, cfg.mini_batches)
     out.update(diagnostics)
-    out.update(adv.metrics("adv/"))
-    valid = np.isfinite(rewards)
-    out["reward/mean"] = float(np.mean(rewards[valid])) if valid.any() else float("nan")
+    out.update(global_step_metrics(adv, rewards))
     return out, episode_old_logprobs(scored, batch)  # without_rows leaves old_logprobs as they were
+
+
+def global_step_metrics(adv: AdvantageResult, rewards: np.ndarray) -> dict[str, float]:
+    """`adv/*` and `reward/mean` over every learner process's episodes (sums and counts; each
+    process holds whole groups, so the group counts add up)."""
+    valid = np.isfinite(rewards)
+    if jax.process_count() == 1:
+        return {**adv.metrics("adv/"), "reward/mean": float(np.mean(rewards[valid])) if valid.any() else float("nan")}
+    groups, invalid, zero, reward_sum, count = distributed.all_sum(np.asarray([
+        adv.num_groups, adv.num_invalid, round(adv.zero_adv_group_frac * adv.num_groups), rewards[valid].sum(),
+        valid.sum()]))
+    return {"adv/zero_adv_group_frac": float(zero / groups) if groups else 0.0, "adv/num_groups": float(groups),
+            "adv/num_invalid": float(invalid), "reward/mean": float(reward_sum / count) if count else float("nan")}
+
+
+def global_splice_metrics(batch: Batch) -> dict[str, float]:
+    """`rl.logprob_gap.splice_metrics` of the step's batch, over every learner process's rows:
+    the spliced tokens' log-ratios and kinds are exchanged (not the batch) and the metrics are
+    computed on them as one pseudo-batch of spliced tokens; its token fractions are then
+    rescaled from "of the spliced tokens" to "of all policy tokens"."""
+    if jax.process_count() == 1 or batch.splice_kind is None or batch.behaviour_logprobs is None \
+            or batch.old_logprobs is None:
+        return splice_metrics(batch.old_logprobs, batch.behaviour_logprobs, batch.loss_mask, batch.splice_kind)
+    policy = np.asarray(batch.loss_mask) > 0
+    kind = np.where(policy, np.asarray(batch.splice_kind), 0)
+    d = np.asarray(batch.old_logprobs, np.float64) - np.asarray(batch.behaviour_logprobs, np.float64)
+    spliced = distributed.gather_ragged(np.stack([d[kind > 0], kind[kind > 0]], axis=1))  # [S, 2]: d, kind
+    policy_tokens = float(distributed.all_sum(policy.sum()))
+    if len(spliced):
+        out = splice_metrics(spliced[None, :, 0], np.zeros((1, len(spliced))), np.ones((1, len(spliced))),
+                             spliced[None, :, 1].astype(np.int32))
+    else:  # one non-spliced policy token: fractions 0, log-ratio statistics NaN
+        out = splice_metrics(np.zeros((1, 1)), np.zeros((1, 1)), np.ones((1, 1)), np.zeros((1, 1), np.int32))
+    scale = max(len(spliced), 1) / max(policy_tokens, 1.0)
+    return {k: v * scale if k.endswith("token_frac") else v for k, v in out.items()}
