@@ -1,40 +1,103 @@
 #!/usr/bin/env bash
 # Start one real SGLang server per GPU (tensor-parallel 1, as the authors run rollouts) on
-# consecutive ports, and wait until every /health answers 200. The trainer then talks to them
-# with --config.rollout.backend=sglang --config.rollout.server_urls=http://127.0.0.1:30000,...
+# consecutive ports, wait until every /health answers 200, print their URLs (the last line of
+# stdout, comma-separated), then stay in the foreground until the servers exit or the script is
+# stopped (Ctrl-C, SIGTERM): on exit it stops the servers it started, and only those (by pid).
 #
-#   launch/sglang_servers.sh [--deterministic-inference] MODEL_DIR [NUM_GPUS=4] [FIRST_PORT=30000] [DTYPE=float16]
+#   launch/sglang_servers.sh [OPTIONS] MODEL_DIR [NUM_GPUS=4] [FIRST_PORT=30000] [DTYPE=float16]
 #
-# --deterministic-inference (off by default) passes SGLang's --enable-deterministic-inference:
-# the same sampling_seed then gives the same tokens whatever else is batched, which an exact
-# resume of a run needs (docs/sglang_api.md §3.8); it costs rollout throughput and needs a GPU
-# attention backend (fa3, flashinfer, triton; CPU refuses it).
-# MODEL_DIR is a local Hugging Face directory (the trainer's weight sync later points the
-# servers at its own exports through /update_weights_from_disk). Logs go to logs/sglang-<gpu>.log.
+#   --interface IFACE   bind the servers to IFACE's IPv4 address (e.g. eth0, ib0) so that learner
+#                       and router nodes reach them; default: 127.0.0.1 (this node only)
+#   --host ADDR         bind to ADDR instead (an address of this node, or 0.0.0.0)
+#   --shared-dir DIR    the directory the learner exports weights to (a shared filesystem on
+#                       several nodes): checked readable here, since the weight sync points the
+#                       servers at exports under it (/update_weights_from_disk)
+#   --urls-file FILE    also write the URL line to FILE once every server is healthy
+#   --log-dir DIR       server logs (DIR/sglang-<gpu>.log); default logs
+#   --python PY         the Python with sglang installed; default python
+#   --mem-fraction F    SGLang's --mem-fraction-static; default 0.6
+#   --deterministic-inference
+#                       pass SGLang's --enable-deterministic-inference (off by default): the same
+#                       sampling_seed then gives the same tokens whatever else is batched, which
+#                       an exact resume of a run needs (docs/sglang_api.md §3.8); it costs rollout
+#                       throughput and needs a GPU attention backend (CPU refuses it)
+#   --dry-run           print every command instead of running it (no prerequisite checks)
+#
+# MODEL_DIR is a local Hugging Face directory. The trainer then talks to the servers with
+# --config.rollout.backend=sglang --config.rollout.server_urls=<the printed line>, directly (its
+# own sticky routing) or through launch/router.sh.
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/_common.sh"
+
+usage="usage: $0 [--dry-run] [--interface IFACE | --host ADDR] [--shared-dir DIR] [--urls-file FILE] [--log-dir DIR] [--python PY] [--mem-fraction F] [--deterministic-inference] MODEL_DIR [NUM_GPUS] [FIRST_PORT] [DTYPE]"
 extra=()
-if [[ "${1:-}" == "--deterministic-inference" ]]; then
-  extra+=(--enable-deterministic-inference)
-  shift
-fi
-model=${1:?usage: $0 [--deterministic-inference] MODEL_DIR [NUM_GPUS] [FIRST_PORT] [DTYPE]}
+iface=""
+host=""
+shared=""
+urls_file=""
+log_dir=logs
+py=python
+mem=0.6
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --deterministic-inference) extra+=(--enable-deterministic-inference); shift ;;
+    --interface) iface=${2:?$usage}; shift 2 ;;
+    --host) host=${2:?$usage}; shift 2 ;;
+    --shared-dir) shared=${2:?$usage}; shift 2 ;;
+    --urls-file) urls_file=${2:?$usage}; shift 2 ;;
+    --log-dir) log_dir=${2:?$usage}; shift 2 ;;
+    --python) py=${2:?$usage}; shift 2 ;;
+    --mem-fraction) mem=${2:?$usage}; shift 2 ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    --*) die "unknown option $1; $usage" ;;
+    *) break ;;
+  esac
+done
+model=${1:?$usage}
 gpus=${2:-4}
 port0=${3:-30000}
 dtype=${4:-float16}
-mkdir -p logs
+[[ -z "$iface" || -z "$host" ]] || die "--interface and --host are exclusive"
+[[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "NUM_GPUS must be a positive integer, got '$gpus'"
+[[ "$port0" =~ ^[0-9]+$ ]] || die "FIRST_PORT must be an integer, got '$port0'"
+
+if [[ -n "$iface" ]]; then
+  host=$(iface_addr "$py" "$iface")
+fi
+host=${host:-127.0.0.1}
+
+if [[ "$DRY_RUN" != 1 ]]; then
+  need_cmd curl "the readiness check polls each server's /health"
+  need_cmd setsid "each server runs in its own session so that only it is stopped on exit"
+  need_py_module "$py" sglang "pip install sglang on the rollout nodes (docs/scaling.md, 'Rollout fleets on several nodes')"
+  [[ -z "$shared" ]] || need_readable_dir "$shared" "--shared-dir"
+  mkdir -p "$log_dir"
+  install_cleanup
+fi
+
 urls=()
+pids=()
 for ((g = 0; g < gpus; g++)); do
   port=$((port0 + g))
-  CUDA_VISIBLE_DEVICES=$g nohup python -m sglang.launch_server --model-path "$model" \
-    --host 127.0.0.1 --port "$port" --tp 1 --dtype "$dtype" --mem-fraction-static 0.6 \
-    --skip-tokenizer-init ${extra[@]+"${extra[@]}"} >"logs/sglang-$g.log" 2>&1 &
-  urls+=("http://127.0.0.1:$port")
+  run_bg "$log_dir/sglang-$g.log" env "CUDA_VISIBLE_DEVICES=$g" "$py" -m sglang.launch_server \
+    --model-path "$model" --host "$host" --port "$port" --tp 1 --dtype "$dtype" \
+    --mem-fraction-static "$mem" --skip-tokenizer-init ${extra[@]+"${extra[@]}"}
+  urls+=("http://$host:$port")
+  pids+=("${LAST_PID:-}")
 done
-for u in "${urls[@]}"; do
-  for _ in $(seq 1 600); do
-    if curl -sf "$u/health" >/dev/null; then break; fi
-    sleep 1
-  done
-  curl -sf "$u/health" >/dev/null || { echo "server $u did not become healthy; see logs/" >&2; exit 1; }
+line=$(IFS=,; echo "${urls[*]}")
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo "$line"
+  exit 0
+fi
+for ((g = 0; g < gpus; g++)); do
+  wait_healthy "${urls[$g]}" "${pids[$g]}" 1800 "$log_dir/sglang-$g.log"
 done
-(IFS=,; echo "${urls[*]}")
+if [[ -n "$urls_file" ]]; then
+  echo "$line" >"$urls_file.tmp"
+  mv "$urls_file.tmp" "$urls_file"
+fi
+echo "$line"
+wait_started

@@ -2,25 +2,63 @@
 # Paper-scale run on one node: SGLang rollout servers on the first ROLLOUT_GPUS GPUs, the JAX
 # learner sharded over the remaining ones (the authors use 4 GPUs in total).
 #
-#   launch/train_single_node.sh [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS=2] [TOTAL_GPUS=4]
+#   launch/train_single_node.sh [--dry-run] [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS=2] [TOTAL_GPUS=4]
 #
 # --deterministic-inference (off by default) is passed to launch/sglang_servers.sh: the servers
 # then honour sampling_seed, so a resumed run regenerates the same rollouts (slower rollouts;
-# docs/sglang_api.md §3.8).
+# docs/sglang_api.md §3.8). --dry-run prints every command (the servers' and the trainer's).
+# The servers run under launch/sglang_servers.sh in the background; when the trainer ends (or
+# this script is stopped) that script is stopped by its pid, and it stops the servers it
+# started, and only those.
 set -euo pipefail
-det=()
-if [[ "${1:-}" == "--deterministic-inference" ]]; then
-  det+=(--deterministic-inference)
-  shift
-fi
-config=${1:?usage: $0 [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS] [TOTAL_GPUS]}
-model=${2:?}; data=${3:?}; workdir=${4:?}
-rollout=${5:-2}; total=${6:-4}
 here=$(cd "$(dirname "$0")" && pwd)
-urls=$("$here/sglang_servers.sh" ${det[@]+"${det[@]}"} "$model" "$rollout" 30000 float16 | tail -n 1)
+source "$here/_common.sh"
+
+usage="usage: $0 [--dry-run] [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS] [TOTAL_GPUS]"
+det=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --deterministic-inference) det+=(--deterministic-inference); shift ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    --*) die "unknown option $1; $usage" ;;
+    *) break ;;
+  esac
+done
+config=${1:?$usage}
+model=${2:?$usage}; data=${3:?$usage}; workdir=${4:?$usage}
+rollout=${5:-2}; total=${6:-4}
+((rollout >= 1 && rollout < total)) || die "ROLLOUT_GPUS ($rollout) must be at least 1 and below TOTAL_GPUS ($total)"
 learner_gpus=$(seq -s, "$rollout" $((total - 1)))
-trap 'pkill -f "sglang.launch_server" || true' EXIT
-CUDA_VISIBLE_DEVICES=$learner_gpus XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+servers=("$here/sglang_servers.sh" ${det[@]+"${det[@]}"})
+
+if [[ "$DRY_RUN" == 1 ]]; then
+  out=$("${servers[@]}" --dry-run "$model" "$rollout" 30000 float16)
+  printf '%s\n' "$out" | sed '$d'  # the servers' command lines
+  urls=$(printf '%s\n' "$out" | tail -n 1)
+  run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+    python -m cleaner_jax.train --config "$config" --workdir "$workdir" \
+    "--config.model.path=$model" "--config.data.train=$data" \
+    --config.rollout.backend=sglang "--config.rollout.server_urls=$urls"
+  exit 0
+fi
+
+need_cmd setsid "the servers' launcher and the trainer run in their own sessions"
+mkdir -p logs
+install_cleanup
+STOP_GRACE_S=60  # longer than the servers' launcher takes to stop its servers (its own grace)
+urls_file=$(mktemp)
+run_bg logs/sglang_servers.log "${servers[@]}" --urls-file "$urls_file" "$model" "$rollout" 30000 float16
+servers_pid=$LAST_PID
+until [[ -s "$urls_file" ]]; do
+  kill -0 "$servers_pid" 2>/dev/null \
+    || { tail -n 30 logs/sglang_servers.log >&2; die "launch/sglang_servers.sh exited before its servers were healthy; see logs/"; }
+  sleep 1
+done
+urls=$(cat "$urls_file")
+rm -f -- "$urls_file"
+run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
   python -m cleaner_jax.train --config "$config" --workdir "$workdir" \
-  --config.model.path="$model" --config.data.train="$data" \
-  --config.rollout.backend=sglang --config.rollout.server_urls="$urls"
+  "--config.model.path=$model" "--config.data.train=$data" \
+  --config.rollout.backend=sglang "--config.rollout.server_urls=$urls"
+wait "$LAST_PID"

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One learner process of a run on several nodes: `python -m cleaner_jax.train` joined to the
+# others through JAX's multi-controller runtime (the `distributed` config section), rolling out
+# against SGLang servers on other nodes and exporting weights to a shared directory that those
+# servers read. Run it once per learner node with the same arguments except --process-id. It
+# stays in the foreground; on exit it stops the trainer it started, and only that (by pid).
+#
+#   launch/learner_node.sh [OPTIONS] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]
+#
+#   --server-urls URLS  comma-separated rollout server URLs (what launch/sglang_servers.sh
+#                       printed on each rollout node, joined with commas); required. The client's
+#                       own sticky routing spreads trajectories over them and the weight sync
+#                       reaches each one
+#   --shared-dir DIR    where the weight exports go (train.weight_export_dir): a filesystem that
+#                       every rollout node mounts at the same path; required, checked writable
+#   --coordinator HOST:PORT   process 0's coordinator (distributed.coordinator_address)
+#   --num-processes N   learner processes in all (distributed.num_processes)
+#   --process-id I      this one's id, 0 .. N-1 (distributed.process_id)
+#                       (the three together select distributed.mode=explicit; none of them: one
+#                       learner process, distributed.mode stays as the config says)
+#   --gpus LIST         CUDA_VISIBLE_DEVICES for the learner (e.g. 0,1,2,3); default: unchanged
+#   --mem-fraction F    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9
+#   --wait-servers S    seconds to wait for every server's /health before starting; default 600
+#   --python PY         the Python with cleaner_jax installed; default python
+#   --dry-run           print the command instead of running it (no prerequisite checks)
+#
+# WORKDIR must be on a filesystem every learner process sees (Orbax checkpoints are written by
+# all processes together). Anything after `--` is passed to the trainer (e.g.
+# --config.train.steps=5).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/_common.sh"
+
+usage="usage: $0 [--dry-run] --server-urls URLS --shared-dir DIR [--coordinator HOST:PORT --num-processes N --process-id I] [--gpus LIST] [--mem-fraction F] [--wait-servers S] [--python PY] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]"
+servers=""
+shared=""
+coord=""
+nproc=""
+pid_=""
+gpus=""
+mem=0.9
+wait_s=600
+py=python
+positional=()
+passthrough=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --server-urls) servers=${2:?$usage}; shift 2 ;;
+    --shared-dir) shared=${2:?$usage}; shift 2 ;;
+    --coordinator) coord=${2:?$usage}; shift 2 ;;
+    --num-processes) nproc=${2:?$usage}; shift 2 ;;
+    --process-id) pid_=${2:?$usage}; shift 2 ;;
+    --gpus) gpus=${2:?$usage}; shift 2 ;;
+    --mem-fraction) mem=${2:?$usage}; shift 2 ;;
+    --wait-servers) wait_s=${2:?$usage}; shift 2 ;;
+    --python) py=${2:?$usage}; shift 2 ;;
+    -h|--help) echo "$usage"; exit 0 ;;
+    --) shift; passthrough=("$@"); break ;;
+    --*) die "unknown option $1; $usage" ;;
+    *) positional+=("$1"); shift ;;
+  esac
+done
+[[ ${#positional[@]} -eq 4 ]] || die "expected CONFIG MODEL_DIR TRAIN_DATA WORKDIR, got ${#positional[@]} arguments; $usage"
+config=${positional[0]}; model=${positional[1]}; data=${positional[2]}; workdir=${positional[3]}
+[[ -n "$servers" ]] || die "--server-urls is required (the rollout servers, comma-separated); $usage"
+[[ -n "$shared" ]] || die "--shared-dir is required (the weight exports the rollout servers read); $usage"
+IFS=, read -r -a server_list <<<"$servers"
+for u in "${server_list[@]}"; do
+  [[ "$u" =~ ^https?://[^/]+$ ]] || die "server URL '$u' is not of the form http://HOST:PORT"
+done
+dist=()
+if [[ -n "$coord$nproc$pid_" ]]; then
+  [[ -n "$coord" && -n "$nproc" && -n "$pid_" ]] \
+    || die "--coordinator, --num-processes and --process-id go together (got '$coord', '$nproc', '$pid_')"
+  [[ "$nproc" =~ ^[1-9][0-9]*$ && "$pid_" =~ ^[0-9]+$ ]] && ((pid_ < nproc)) \
+    || die "--process-id $pid_ must be in 0 .. --num-processes-1 ($nproc)"
+  dist=(--config.distributed.mode=explicit "--config.distributed.coordinator_address=$coord"
+        "--config.distributed.num_processes=$nproc" "--config.distributed.process_id=$pid_")
+fi
+
+if [[ "$DRY_RUN" != 1 ]]; then
+  need_cmd curl "the start-up check polls each rollout server's /health"
+  need_cmd setsid "the trainer runs in its own session so that only it is stopped on exit"
+  need_py_module "$py" cleaner_jax "pip install -e . in the checkout on this node"
+  need_writable_dir "$shared" "--shared-dir"
+  for u in "${server_list[@]}"; do
+    wait_healthy "$u" "" "$wait_s" "the rollout node's logs"
+  done
+  install_cleanup
+fi
+
+envs=("XLA_PYTHON_CLIENT_MEM_FRACTION=$mem")
+[[ -z "$gpus" ]] || envs=("CUDA_VISIBLE_DEVICES=$gpus" "${envs[@]}")
+run_bg - env "${envs[@]}" "$py" -m cleaner_jax.train --config "$config" --workdir "$workdir" \
+  "--config.model.path=$model" "--config.data.train=$data" \
+  --config.rollout.backend=sglang "--config.rollout.server_urls=$servers" \
+  "--config.train.weight_export_dir=$shared" ${dist[@]+"${dist[@]}"} ${passthrough[@]+"${passthrough[@]}"}
+[[ "$DRY_RUN" == 1 ]] && exit 0
+wait_started

@@ -1,0 +1,327 @@
+"""The launch scripts (launch/*.sh): syntax, the exact commands of --dry-run (hand-written
+expected lines), prerequisite checks that fail with a clear message, and cleanup that stops the
+processes a script started and nothing else (a decoy of the same name, as another user's
+server would be, survives; the old exit trap ran `pkill -f`).
+
+The servers and the trainer are stand-ins here: a `python` on PATH that sleeps for
+`-m sglang.launch_server` (a server that stays up) and records its arguments for
+`-m cleaner_jax.train`, and a `curl` that says every server is healthy. The real router runs in
+tests/test_router.py.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cleaner_jax.rollout.fleet import free_loopback_port
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+SCRIPTS = sorted(LAUNCH.glob("*.sh"))
+
+
+def run(script: str, *args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 60):
+    return subprocess.run(["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or dict(os.environ), cwd=cwd or ROOT)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_launch_script_parses(script):
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_no_launch_script_kills_by_name():
+    for script in SCRIPTS:
+        text = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
+        for word in ("pkill", "killall"):
+            assert word not in text, f"{script.name} uses {word}: stop processes by the pid the script started"
+
+
+# ----------------------------------------------------------------------------- dry runs
+
+
+def test_sglang_servers_dry_run_binds_the_chosen_address():
+    out = run("sglang_servers.sh", "--dry-run", "--host", "10.1.2.3", "--log-dir", "/tmp/l",
+              "--deterministic-inference", "/models/m", "2", "31000", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "+ env CUDA_VISIBLE_DEVICES=0 python -m sglang.launch_server --model-path /models/m --host 10.1.2.3 "
+        "--port 31000 --tp 1 --dtype bfloat16 --mem-fraction-static 0.6 --skip-tokenizer-init "
+        "--enable-deterministic-inference >/tmp/l/sglang-0.log 2>&1",
+        "+ env CUDA_VISIBLE_DEVICES=1 python -m sglang.launch_server --model-path /models/m --host 10.1.2.3 "
+        "--port 31001 --tp 1 --dtype bfloat16 --mem-fraction-static 0.6 --skip-tokenizer-init "
+        "--enable-deterministic-inference >/tmp/l/sglang-1.log 2>&1",
+        "http://10.1.2.3:31000,http://10.1.2.3:31001",
+    ]
+
+
+def test_sglang_servers_dry_run_resolves_an_interface():
+    """`lo` is 127.0.0.1 on every Linux machine; the defaults are 4 GPUs from port 30000 in float16."""
+    out = run("sglang_servers.sh", "--dry-run", "--interface", "lo", "--python", sys.executable,
+              "--mem-fraction", "0.5", "/m")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == (f"+ env CUDA_VISIBLE_DEVICES=0 {sys.executable} -m sglang.launch_server --model-path /m "
+                        "--host 127.0.0.1 --port 30000 --tp 1 --dtype float16 --mem-fraction-static 0.5 "
+                        "--skip-tokenizer-init >logs/sglang-0.log 2>&1")
+    assert len(lines) == 5 and lines[3].startswith("+ env CUDA_VISIBLE_DEVICES=3 ") and " --port 30003 " in lines[3]
+    assert lines[4] == "http://127.0.0.1:30000,http://127.0.0.1:30001,http://127.0.0.1:30002,http://127.0.0.1:30003"
+
+
+def test_router_dry_run():
+    out = run("router.sh", "--dry-run", "--host", "10.1.2.3", "--port", "31000", "--prometheus-port", "29100",
+              "http://10.1.2.4:30000,http://10.1.2.4:30001", "http://10.1.2.5:30000", "--", "--log-level", "debug")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "+ python -m sglang_router.launch_router --host 10.1.2.3 --port 31000 --worker-urls http://10.1.2.4:30000 "
+        "http://10.1.2.4:30001 http://10.1.2.5:30000 --policy manual --assignment-mode min_group "
+        "--prometheus-host 10.1.2.3 --prometheus-port 29100 --health-check-interval-secs 5 "
+        "--health-failure-threshold 2 --cb-failure-threshold 3 --request-timeout-secs 3600 --log-level debug "
+        ">logs/router.log 2>&1",
+        "http://10.1.2.3:31000",
+    ]
+    other = run("router.sh", "--dry-run", "--policy", "round_robin", "http://h:1")
+    assert other.returncode == 0, other.stderr
+    assert " --policy round_robin --prometheus-host 127.0.0.1 " in other.stdout  # min_group is the manual policy's
+
+
+def test_learner_node_dry_run_joins_the_distributed_run():
+    out = run("learner_node.sh", "--dry-run", "--server-urls", "http://10.0.0.1:30000,http://10.0.0.2:30000",
+              "--shared-dir", "/mnt/shared/sync", "--coordinator", "10.0.1.1:1234", "--num-processes", "2",
+              "--process-id", "1", "--gpus", "0,1,2,3", "configs/c.py", "/models/Q", "/data/d.parquet", "runs/x",
+              "--", "--config.train.steps=5")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "+ env CUDA_VISIBLE_DEVICES=0,1,2,3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train "
+        "--config configs/c.py --workdir runs/x --config.model.path=/models/Q --config.data.train=/data/d.parquet "
+        "--config.rollout.backend=sglang --config.rollout.server_urls=http://10.0.0.1:30000,http://10.0.0.2:30000 "
+        "--config.train.weight_export_dir=/mnt/shared/sync --config.distributed.mode=explicit "
+        "--config.distributed.coordinator_address=10.0.1.1:1234 --config.distributed.num_processes=2 "
+        "--config.distributed.process_id=1 --config.train.steps=5",
+    ]
+    single = run("learner_node.sh", "--dry-run", "--server-urls", "http://h:1", "--shared-dir", "/s", "c", "m", "d", "w")
+    assert single.returncode == 0, single.stderr
+    assert single.stdout.splitlines() == [
+        "+ env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train --config c --workdir w "
+        "--config.model.path=m --config.data.train=d --config.rollout.backend=sglang "
+        "--config.rollout.server_urls=http://h:1 --config.train.weight_export_dir=/s",
+    ]
+
+
+def test_the_learner_overrides_are_keys_of_the_config_schema():
+    """Every --config.KEY=VALUE the learner script passes names a key the trainer accepts (the
+    trainer's own check, run before absl parses them), and the check does reject a wrong one."""
+    from cleaner_jax.config import check_override_keys
+    from cleaner_jax.schema import ConfigError
+
+    out = run("learner_node.sh", "--dry-run", "--server-urls", "http://h:1", "--shared-dir", "/s",
+              "--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "c", "m", "d", "w")
+    argv = shlex.split(out.stdout.splitlines()[0][2:])
+    overrides = [a for a in argv if a.startswith("--config.")]
+    assert len(overrides) == 9, overrides
+    check_override_keys(overrides)
+    with pytest.raises(ConfigError, match="config.distributed.process_rank: unknown key"):
+        check_override_keys(["--config.distributed.process_rank=0"])
+
+
+def test_train_single_node_dry_run_prints_the_servers_and_the_trainer():
+    out = run("train_single_node.sh", "--dry-run", "--deterministic-inference", "cfg.py", "/models/Q", "/d.parquet",
+              "runs/x", "1", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "+ env CUDA_VISIBLE_DEVICES=0 python -m sglang.launch_server --model-path /models/Q --host 127.0.0.1 "
+        "--port 30000 --tp 1 --dtype float16 --mem-fraction-static 0.6 --skip-tokenizer-init "
+        "--enable-deterministic-inference >logs/sglang-0.log 2>&1",
+        "+ env CUDA_VISIBLE_DEVICES=1,2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train --config cfg.py "
+        "--workdir runs/x --config.model.path=/models/Q --config.data.train=/d.parquet --config.rollout.backend=sglang "
+        "--config.rollout.server_urls=http://127.0.0.1:30000",
+    ]
+
+
+def test_dry_run_quotes_words_a_shell_would_split():
+    out = run("learner_node.sh", "--dry-run", "--server-urls", "http://h:1", "--shared-dir", "/s", "my cfg.py", "m",
+              "d", "it's")
+    assert out.returncode == 0, out.stderr
+    assert "--config 'my cfg.py' --workdir 'it'\"'\"'s' " in out.stdout  # as shlex.quote writes them
+
+
+# ----------------------------------------------------------------------------- prerequisites
+
+
+def fake_python(tmp_path: Path, importable: bool) -> Path:
+    py = tmp_path / "fakepython"
+    py.write_text("#!/bin/sh\n" + ("exit 0\n" if importable else 'echo "ModuleNotFoundError" >&2; exit 1\n'))
+    py.chmod(0o755)
+    return py
+
+
+@pytest.mark.parametrize("script,args,module", [
+    ("sglang_servers.sh", ["/m", "1"], "sglang"),
+    ("router.sh", ["http://127.0.0.1:1"], "sglang_router"),
+])
+def test_a_missing_python_package_is_named(tmp_path, script, args, module):
+    py = fake_python(tmp_path, importable=False)
+    out = run(script, "--python", str(py), "--log-dir", str(tmp_path / "logs"), *args)
+    assert out.returncode == 2
+    assert f"prerequisite: python package '{module}' is not importable by {py}" in out.stderr
+    assert "pip install" in out.stderr
+
+
+def test_a_missing_python_is_named(tmp_path):
+    out = run("sglang_servers.sh", "--python", "/nonexistent/python3", "/m", "1")
+    assert out.returncode == 2
+    assert "prerequisite: python '/nonexistent/python3' not found (pass --python PATH)" in out.stderr
+
+
+def test_a_missing_binary_is_named(tmp_path):
+    """PATH with only what the script needs before its checks: curl is missing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "basename"):
+        (bin_dir / tool).symlink_to(subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True,
+                                                   text=True).stdout.strip())
+    out = run("sglang_servers.sh", "--python", sys.executable, "/m", "1", env={"PATH": str(bin_dir)})
+    assert out.returncode == 2
+    assert "prerequisite: 'curl' is not on PATH (the readiness check polls each server's /health)" in out.stderr
+
+
+def test_an_unknown_interface_is_named():
+    out = run("sglang_servers.sh", "--interface", "nosuch0", "--python", sys.executable, "/m", "1")
+    assert out.returncode == 2
+    assert "prerequisite: network interface 'nosuch0' not found (this node has: " in out.stderr
+    assert " lo" in out.stderr.split("this node has:")[1] or "lo " in out.stderr.split("this node has:")[1]
+
+
+@pytest.mark.parametrize("shared,message", [
+    ("/nonexistent/shared", "prerequisite: --shared-dir '/nonexistent/shared' does not exist (or is not a directory)"),
+    ("/proc", "prerequisite: --shared-dir '/proc' is not writable (a file could not be created there)"),
+])
+def test_an_unusable_shared_dir_is_named(shared, message):
+    out = run("learner_node.sh", "--python", sys.executable, "--server-urls", "http://127.0.0.1:1",
+              "--shared-dir", shared, "c", "m", "d", "w")
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_a_rollout_server_that_never_answers_is_named(tmp_path):
+    dead = f"http://127.0.0.1:{free_loopback_port()}"
+    out = run("learner_node.sh", "--python", sys.executable, "--server-urls", dead, "--shared-dir", str(tmp_path),
+              "--wait-servers", "1", "c", "m", "d", "w")
+    assert out.returncode == 2
+    assert f"{dead} did not answer /health within 1 s" in out.stderr
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("router.sh", [], "no worker URL given"),
+    ("router.sh", ["10.0.0.1:30000"], "worker URL '10.0.0.1:30000' is not of the form http://HOST:PORT"),
+    ("learner_node.sh", ["--shared-dir", "/s", "c", "m", "d", "w"], "--server-urls is required"),
+    ("learner_node.sh", ["--server-urls", "http://h:1", "c", "m", "d", "w"], "--shared-dir is required"),
+    ("learner_node.sh", ["--server-urls", "http://h:1", "--shared-dir", "/s", "--process-id", "0", "c", "m", "d", "w"],
+     "--coordinator, --num-processes and --process-id go together"),
+    ("learner_node.sh", ["--server-urls", "http://h:1", "--shared-dir", "/s", "--coordinator", "h:1",
+                         "--num-processes", "2", "--process-id", "2", "c", "m", "d", "w"],
+     "--process-id 2 must be in 0 .. --num-processes-1 (2)"),
+    ("sglang_servers.sh", ["--interface", "lo", "--host", "1.2.3.4", "/m"], "--interface and --host are exclusive"),
+    ("train_single_node.sh", ["c", "m", "d", "w", "4", "4"], "ROLLOUT_GPUS (4) must be at least 1 and below TOTAL_GPUS (4)"),
+])
+def test_bad_arguments_are_named_even_in_a_dry_run(script, args, message):
+    out = run(script, "--dry-run", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+
+
+# ----------------------------------------------------------------------------- cleanup
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    """PATH with a `python` whose servers sleep (recording their pids) and a healthy `curl`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f"""#!/bin/sh
+case "$*" in
+  *sglang.launch_server*) echo $$ >> {tmp_path}/server_pids; exec sleep 300 ;;
+  *cleaner_jax.train*) echo "$@" >> {tmp_path}/trainer_argv; sleep 1; exit 0 ;;
+  *) exit 0 ;;
+esac
+""")
+    (bin_dir / "curl").write_text("#!/bin/sh\nexit 0\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def _pids(path: Path, n: int, timeout_s: float = 20) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and len(path.read_text().split()) >= n):
+        assert time.monotonic() < deadline, f"{path} did not list {n} pids"
+        time.sleep(0.05)
+    return [int(p) for p in path.read_text().split()]
+
+
+def _gone(pids: list[int], timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def decoy():
+    """Another user's 'server' on the same node: the same command line as the stand-in servers."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sglang_servers_stop_their_own_servers_and_nothing_else(tmp_path, stand_ins, decoy):
+    script = subprocess.Popen(["bash", str(LAUNCH / "sglang_servers.sh"), "--urls-file", str(tmp_path / "urls"),
+                               "/models/m", "2", "31000"], cwd=tmp_path, env=stand_ins,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert script.stdout.readline().strip() == "http://127.0.0.1:31000,http://127.0.0.1:31001"
+        assert (tmp_path / "urls").read_text().strip() == "http://127.0.0.1:31000,http://127.0.0.1:31001"
+        servers = _pids(tmp_path / "server_pids", 2)
+        assert all(psutil.pid_exists(p) for p in servers)
+        assert script.poll() is None  # it stays in the foreground while its servers run
+        os.kill(script.pid, signal.SIGTERM)
+        script.wait(60)
+        assert _gone(servers), "the script's servers survived its exit"
+        assert decoy.poll() is None, "the script killed a process it did not start"
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.wait(10)
+        for p in _pids(tmp_path / "server_pids", 0) if (tmp_path / "server_pids").exists() else []:
+            if psutil.pid_exists(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_train_single_node_stops_its_servers_when_the_trainer_ends(tmp_path, stand_ins, decoy):
+    out = subprocess.run(["bash", str(LAUNCH / "train_single_node.sh"), "cfg.py", "/models/Q", "/d.parquet", "runs/x",
+                          "2", "4"], cwd=tmp_path, env=stand_ins, capture_output=True, text=True, timeout=120)
+    servers = _pids(tmp_path / "server_pids", 2, timeout_s=1)
+    try:
+        assert out.returncode == 0, out.stderr
+        argv = (tmp_path / "trainer_argv").read_text().split()
+        assert "--config.rollout.server_urls=http://127.0.0.1:30000,http://127.0.0.1:30001" in argv
+        assert _gone(servers), "the servers outlived the run"
+        assert decoy.poll() is None, "the script killed a process it did not start"
+    finally:
+        for p in servers:
+            if psutil.pid_exists(p):
+                os.kill(p, signal.SIGKILL)
