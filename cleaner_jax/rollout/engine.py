@@ -36,6 +36,14 @@ from cleaner_jax.rollout import sampling
 from cleaner_jax.rollout.prefix_cache import PrefixCache
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 
+# SGLang's memory-occupation tags (`/release_memory_occupation {"tags": [...]}`; none or [] = all).
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class MemoryReleasedError(RuntimeError):
+    """The engine was asked to generate or load weights while its memory is released
+    (`release_memory`); the caller must `resume_memory` first (→ HTTP 400 on the server)."""
+
 
 def bucket(n: int, minimum: int, step: int = 256) -> int:
     """Padded size for n: a power of two up to `step`, then a multiple of `step`.
@@ -150,6 +158,8 @@ class Engine:
         self.decode_chunk = decode_chunk
         self.weight_version = "default"
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self._released: set[str] = set()  # MEMORY_TAGS now released
+        self._host_state: Any = None  # the weights' host copy while "weights" is released
         self._lock = threading.Lock()
         self._abort_lock = threading.Lock()
         self._aborted: set[str] = set()
@@ -192,6 +202,7 @@ class Engine:
         """In-memory weight update (an `nnx.State` of the same model); flushes the prefix cache
         unless `flush_cache=False`."""
         with self._lock:
+            self._check_resident("load new weights", ("weights",))
             if jax.tree.structure(state) != jax.tree.structure(self._state):
                 raise ValueError("load_state: the new state's tree does not match the served model's")
             self._state = state
@@ -205,6 +216,80 @@ class Engine:
     def flush_cache(self) -> None:
         with self._lock:
             self.prefix_cache.clear()
+
+    # ------------------------------------------------------------------------- memory occupation
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        """The MEMORY_TAGS whose memory is released now (in MEMORY_TAGS order)."""
+        return tuple(t for t in MEMORY_TAGS if t in self._released)
+
+    def release_memory(self, tags: list[str] | None = None) -> tuple[str, ...]:
+        """SGLang's `/release_memory_occupation`: free the device memory of `tags` (None or [] =
+        all) so a colocated learner can use it; returns the tags released.
+
+        "weights": the parameters are copied to host memory (NumPy, a real copy: on the CPU
+        backend `device_get` may alias the buffer) and the engine drops its device arrays, which
+        frees them (not `delete()`d: a `load_state` caller may share them); the copy
+        makes `resume_memory` exact whatever the weights came from (a checkpoint, an in-memory
+        `load_state`, a sync directory that has since been removed). "kv_cache": the prefix cache,
+        the only KV this engine keeps between batches (each batch allocates its own), is dropped
+        with its device buffers. While any tag is released, generation and weight loading raise
+        `MemoryReleasedError`. Waits for a running batch; releasing a released tag is an error
+        (real SGLang's memory saver does not support it either)."""
+        wanted = _check_tags(tags)
+        with self._lock:
+            again = [t for t in wanted if t in self._released]
+            if again:
+                raise ValueError(f"release_memory_occupation: {again} already released (released now: "
+                                 f"{list(self.released)}); resume them first")
+            if "kv_cache" in wanted:
+                entries = self.prefix_cache.take_all()
+                for entry in entries:
+                    entry.k.delete()
+                    entry.v.delete()
+            if "weights" in wanted:
+                leaves, treedef = jax.tree.flatten(self._state)
+                # each leaf with its sharding, so a resume restores the layout as well as the values
+                self._host_state = (treedef, [np.array(x, copy=True) for x in leaves], [x.sharding for x in leaves])
+                del leaves
+                self._state = None
+            self._released.update(wanted)
+            return tuple(t for t in MEMORY_TAGS if t in wanted)
+
+    def resume_memory(self, tags: list[str] | None = None) -> tuple[str, ...]:
+        """SGLang's `/resume_memory_occupation`: bring back `tags` (None or [] = all). The weights
+        are put back on the device from their host copy (bit-exact); the prefix cache starts
+        empty, like SGLang's flushed radix cache. Resuming a tag that is not released is an error
+        (on real SGLang it kills the scheduler: the trainer must track what it released)."""
+        wanted = _check_tags(tags)
+        with self._lock:
+            missing = [t for t in wanted if t not in self._released]
+            if missing:
+                raise ValueError(f"resume_memory_occupation: {missing} not released (released now: "
+                                 f"{list(self.released)})")
+            if "weights" in wanted:
+                treedef, host, shardings = self._host_state
+                self._state = jax.tree.unflatten(treedef, [jax.device_put(x, sh) for x, sh in zip(host, shardings)])
+                self._host_state = None
+            self._released.difference_update(wanted)
+            return tuple(t for t in MEMORY_TAGS if t in wanted)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The engine's resident memory, measured on its buffers: `weights` (device bytes of the
+        parameters, 0 while released), `kv_cache` (the prefix cache's device bytes) and
+        `weights_host_copy` (the host copy held while the weights are released)."""
+        state = self._state
+        weights = 0 if state is None else sum(int(x.nbytes) for x in jax.tree.leaves(state))
+        host = 0 if self._host_state is None else sum(int(x.nbytes) for x in self._host_state[1])
+        return {"weights": weights, "kv_cache": self.prefix_cache.device_bytes, "weights_host_copy": host}
+
+    def _check_resident(self, what: str, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        gone = [t for t in tags if t in self._released]
+        if gone:
+            raise MemoryReleasedError(
+                f"cannot {what}: the engine's memory for {gone} is released (/release_memory_occupation); "
+                f"POST /resume_memory_occupation first")
 
     def abort(self, rid: str) -> None:
         """Stop request `rid` at the next chunk boundary; it returns with finish type "abort"."""
@@ -224,7 +309,9 @@ class Engine:
     # ------------------------------------------------------------------------- validation
 
     def validate(self, req: GenRequest) -> None:
-        """Raise ValueError (→ HTTP 400) for inputs SGLang rejects, and out-of-range ids."""
+        """Raise ValueError (→ HTTP 400) for inputs SGLang rejects, and out-of-range ids;
+        MemoryReleasedError while the engine's memory is released."""
+        self._check_resident("generate")
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("input_ids cannot be empty.")
@@ -262,6 +349,7 @@ class Engine:
         for req in reqs:
             self.validate(req)
         with self._lock:
+            self._check_resident("generate")  # released after the request was validated
             return self._generate_locked(reqs)
 
     def _stop_ids(self, s: SamplingParams) -> list[int]:
@@ -394,6 +482,18 @@ class Engine:
             if len(kv_tokens) > 0:
                 ek, ev = _read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)
+
+
+def _check_tags(tags: list[str] | None) -> list[str]:
+    """The memory-occupation tags asked for: None or [] means all (SGLang's rule)."""
+    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise ValueError(f"tags must be a list of strings from {list(MEMORY_TAGS)}, got {tags!r:.80}")
+    if not tags:
+        return list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; this server has {list(MEMORY_TAGS)}")
+    return list(dict.fromkeys(tags))
 
 
 # ------------------------------------------------------------------ jitted programs
