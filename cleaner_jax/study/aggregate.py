@@ -1,0 +1,214 @@
+"""A study's numbers: per-run summary values read from each run's `tb/metrics.jsonl`, then per arm
+the mean, the standard deviation and a bootstrap confidence interval over seeds, and each arm's
+difference from the baseline arm paired by seed.
+
+Statistics over seeds (`seed_stats`): mean; std with ddof=1 (the sample standard deviation, NaN
+for one seed); the CI is `scipy.stats.bootstrap` of the mean (one sample, the seeds; the
+percentile or BCa method of the study's `ci_method`, `bootstrap_resamples` resamples, seeded). With
+5 seeds a percentile interval is the spread of the mean over re-drawn sets of these 5 runs: it
+says how much the mean would move with other seeds of the same config, it is narrower than a
+t-interval would be at such n (the bootstrap ignores that 5 values underestimate the spread), and
+it says nothing about other configs or tasks. docs/study.md says the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+Rows = dict[int, dict[str, float]]  # step -> every scalar logged at that step
+
+
+def read_metrics(path: Path) -> Rows:
+    """step -> scalars; a step logged more than once (a resumed run) keeps the last value of each key."""
+    rows: Rows = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+        step = int(row.pop("step"))
+        rows.setdefault(step, {}).update(row)
+    return rows
+
+
+def accuracy_key(rows: Rows, benchmark: str) -> str:
+    """The benchmark's headline accuracy, `eval/<benchmark>/mean@<n>` (docs/metrics.md)."""
+    pattern = re.compile(rf"eval/{re.escape(benchmark)}/mean@\d+")
+    keys = sorted({k for r in rows.values() for k in r if pattern.fullmatch(k)})
+    if len(keys) != 1:
+        raise ValueError(f"expected one eval/{benchmark}/mean@n metric, found {keys or 'none'}")
+    return keys[0]
+
+
+def first_attempt_error_rate(row: Mapping[str, float]) -> float:
+    """Failed first attempts over first attempts of the step's training rollouts:
+    1 - tool_calls/success_rate (the authors' first-attempt success rate); NaN at a step without
+    any tool call, where saar.metrics writes 0/0 as 0 (which is no 100 % error rate)."""
+    if "tool_calls/success_rate" not in row or row.get("tool_calls/total_attempts") == 0:
+        return math.nan
+    return 1.0 - row["tool_calls/success_rate"]
+
+
+def saar_recovery_rate(row: Mapping[str, float]) -> float:
+    """rollback/global_recovery_rate; NaN at a step where SAAR never triggered (written as 0/0 = 0),
+    e.g. every step of an arm without SAAR."""
+    if "rollback/global_recovery_rate" not in row or row.get("rollback/global_triggered") == 0:
+        return math.nan
+    return row["rollback/global_recovery_rate"]
+
+
+# training-rollout curves: name -> how one step's row gives it
+TRAIN_SERIES: dict[str, Callable[[Mapping[str, float]], float]] = {
+    "train_accuracy": lambda r: r.get("reward/acc", math.nan),
+    "first_attempt_error_rate": first_attempt_error_rate,
+    "saar_recovery_rate": saar_recovery_rate,
+    "zero_adv_group_frac": lambda r: r.get("adv/zero_adv_group_frac", math.nan),
+    "response_tokens": lambda r: r.get("response/purified_tokens_mean", math.nan),
+    "response_tokens_raw": lambda r: r.get("response/raw_tokens_mean", math.nan),
+}
+SERIES_SOURCE = {
+    "train_accuracy": "reward/acc", "first_attempt_error_rate": "1 - tool_calls/success_rate",
+    "saar_recovery_rate": "rollback/global_recovery_rate", "zero_adv_group_frac": "adv/zero_adv_group_frac",
+    "response_tokens": "response/purified_tokens_mean", "response_tokens_raw": "response/raw_tokens_mean",
+}
+
+
+def train_series(rows: Rows) -> dict[str, tuple[list[int], list[float]]]:
+    """name -> (RL steps, values) of the training-rollout curves (steps >= 1 with rollout metrics)."""
+    steps = sorted(s for s, r in rows.items() if s >= 1 and "reward/acc" in r)
+    return {name: (steps, [f(rows[s]) for s in steps]) for name, f in TRAIN_SERIES.items()}
+
+
+def eval_series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
+    steps = sorted(s for s, r in rows.items() if key in r)
+    return steps, [rows[s][key] for s in steps]
+
+
+# evaluation metrics summarised before / after RL where the run logs them (docs/metrics.md, Evaluation)
+HELDOUT_OPTIONAL = ("first_attempt_error_rate", "first_attempt_errors_per_trajectory")
+
+
+def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]:
+    """One run's summary values: held-out accuracy before (step 0) and after (the last evaluation)
+    RL and its gain; each training-rollout series at the first RL step and over the last
+    `tail_steps` steps (mean); the benchmark's `HELDOUT_OPTIONAL` metrics before and after where logged."""
+    key = accuracy_key(rows, benchmark)
+    steps, acc = eval_series(rows, key)
+    out = {"heldout_acc_before": acc[0] if steps and steps[0] == 0 else math.nan,
+           "heldout_acc_after": acc[-1] if steps and steps[-1] > 0 else math.nan}
+    out["heldout_acc_gain"] = out["heldout_acc_after"] - out["heldout_acc_before"]
+    for name in HELDOUT_OPTIONAL:
+        fc_steps, fc_values = eval_series(rows, f"eval/{benchmark}/{name}")
+        if fc_steps:
+            out[f"heldout_{name}_before"] = fc_values[0] if fc_steps[0] == 0 else math.nan
+            out[f"heldout_{name}_after"] = fc_values[-1] if fc_steps[-1] > 0 else math.nan
+    for name, (s, values) in train_series(rows).items():
+        if not s:
+            raise ValueError("no training step with rollout metrics (reward/acc) in the run's metrics")
+        out[f"{name}_first"] = values[0]
+        tail = [v for v in values[-tail_steps:] if not math.isnan(v)]
+        out[f"{name}_last"] = float(np.mean(tail)) if tail else math.nan
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BootstrapSpec:
+    resamples: int
+    seed: int
+    level: float
+    method: str  # "percentile" | "BCa"
+
+
+def seed_stats(values: Sequence[float], spec: BootstrapSpec) -> dict[str, float]:
+    """mean, std (ddof=1), and the bootstrap CI of the mean over the given per-seed values (NaNs
+    are dropped: a run that never logged the metric)."""
+    x = np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64)
+    out = {"n": float(len(x)), "mean": float(x.mean()) if len(x) else math.nan,
+           "std": float(x.std(ddof=1)) if len(x) > 1 else math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    if len(x) < 2:
+        return out
+    if np.all(x == x[0]):  # every resample has this mean: the interval is that point (BCa would be undefined)
+        out["ci_low"] = out["ci_high"] = float(x[0])
+        return out
+    res = stats.bootstrap((x,), np.mean, n_resamples=spec.resamples, confidence_level=spec.level,
+                          method=spec.method, rng=np.random.default_rng(spec.seed))
+    out["ci_low"], out["ci_high"] = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return out
+
+
+def summarize(per_run: Mapping[str, Mapping[int, Mapping[str, float]]], baseline: str,
+              spec: BootstrapSpec) -> dict:
+    """per_run: arm -> seed -> run_summary. Returns {"arms": arm -> metric -> stats,
+    "vs_baseline": arm -> metric -> stats of (arm - baseline) over the seeds both have}."""
+    arms: dict[str, dict[str, dict[str, float]]] = {}
+    diffs: dict[str, dict[str, dict[str, float]]] = {}
+    metrics = sorted({m for seeds in per_run.values() for s in seeds.values() for m in s})
+    for arm, seeds in per_run.items():
+        arms[arm] = {m: seed_stats([seeds[s].get(m, math.nan) for s in sorted(seeds)], spec) for m in metrics}
+        if arm == baseline or baseline not in per_run:
+            continue
+        common = sorted(set(seeds) & set(per_run[baseline]))
+        diffs[arm] = {m: seed_stats([seeds[s].get(m, math.nan) - per_run[baseline][s].get(m, math.nan)
+                                     for s in common], spec) for m in metrics}
+    return {"arms": arms, "vs_baseline": diffs}
+
+
+# the rows of the summary table, in order: summary value -> what it is
+TABLE = {
+    "heldout_acc_before": "held-out accuracy before RL (eval mean@n, step 0)",
+    "heldout_acc_after": "held-out accuracy after RL (eval mean@n, last evaluation)",
+    "heldout_acc_gain": "held-out accuracy gain (after - before)",
+    "heldout_first_attempt_error_rate_before": "held-out first-attempt tool error rate before RL (eval)",
+    "heldout_first_attempt_error_rate_after": "held-out first-attempt tool error rate after RL (eval)",
+    "heldout_first_attempt_errors_per_trajectory_before": "held-out failed first attempts per trajectory, before RL",
+    "heldout_first_attempt_errors_per_trajectory_after": "held-out failed first attempts per trajectory, after RL",
+    "first_attempt_error_rate_first": "first-attempt error rate, first RL step (1 - tool_calls/success_rate)",
+    "first_attempt_error_rate_last": "first-attempt error rate, last RL steps",
+    "saar_recovery_rate_last": "SAAR recovery rate, last RL steps (rollback/global_recovery_rate)",
+    "zero_adv_group_frac_first": "zero-advantage group fraction, first RL step (adv/zero_adv_group_frac)",
+    "zero_adv_group_frac_last": "zero-advantage group fraction, last RL steps",
+    "response_tokens_last": "purified response length, last RL steps (response/purified_tokens_mean, tokens)",
+    "response_tokens_raw_last": "raw response length, last RL steps (response/raw_tokens_mean, tokens)",
+    "train_accuracy_last": "training-rollout accuracy, last RL steps (reward/acc)",
+}
+
+
+def _cell(s: Mapping[str, float]) -> str:
+    if math.isnan(s["mean"]):
+        return "-"
+    std = "" if math.isnan(s["std"]) else f" ± {s['std']:.3f}"
+    ci = "" if math.isnan(s["ci_low"]) else f" [{s['ci_low']:.3f}, {s['ci_high']:.3f}]"
+    return f"{s['mean']:.3f}{std}{ci}"
+
+
+def markdown(summary: Mapping, baseline: str, spec: BootstrapSpec, seeds: Mapping[str, Sequence[int]],
+             tail_steps: int) -> str:
+    arms = sorted(summary["arms"], key=lambda a: (a != baseline, a))  # the baseline first
+    present = [m for m in TABLE if any(m in summary["arms"][a] for a in arms)]
+    lines = ["# Study summary\n",
+             f"Each cell: mean ± std (ddof=1) [{spec.level:.0%} bootstrap CI of the mean over seeds, "
+             f"{spec.method}, {spec.resamples} resamples, seed {spec.seed}]. 'last RL steps' is the mean over the "
+             f"last {tail_steps} step(s). Seeds per arm: "
+             + "; ".join(f"{a}: {', '.join(map(str, seeds[a]))}" for a in arms) + ".\n",
+             "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    for m in present:
+        lines.append(f"| {TABLE[m]} | " + " | ".join(_cell(summary["arms"][a][m]) if m in summary["arms"][a] else "-"
+                                                    for a in arms) + " |")
+    others = [a for a in arms if a in summary["vs_baseline"]]
+    if others:
+        lines += ["", f"## Difference from `{baseline}`, paired by seed\n",
+                  "Per seed: arm − baseline; then mean ± std [CI] over the seeds both have.\n",
+                  "| metric | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+        for m in present:
+            lines.append(f"| {TABLE[m]} | " + " | ".join(_cell(summary["vs_baseline"][a][m])
+                                                        if m in summary["vs_baseline"][a] else "-" for a in others) + " |")
+    return "\n".join(lines) + "\n"

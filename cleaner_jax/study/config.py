@@ -1,0 +1,178 @@
+"""The study config: which run config, which arms (each a set of run-config overrides), which
+seeds, and how the summary's statistics are formed. An ml-collections file like a run config
+(`configs/toy_study.py`), declared with `cleaner_jax.schema` and checked before anything runs:
+an unknown key, a wrong type, a value out of range and contradictory values are rejected as
+`config.<key>: ...`; every arm's run config is built and validated by `cleaner_jax.config.validate`,
+so an arm that names a run key that does not exist, or a value the run would reject, fails here
+naming the arm and the key, not in the middle of the study.
+
+    c.base_config = "configs/toy.py"          # the run config every arm starts from
+    c.run.train.steps = 40                    # overrides of every arm (a partial run config)
+    c.arms.grpo_raw.saar.enable = False       # one arm: its own overrides on top
+    c.seeds = "0,1,2,3,4"                     # train.seed of each run of each arm
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import ml_collections
+
+from cleaner_jax import schema
+from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.schema import field, section
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: relative base_config paths start here
+ARM_NAME = re.compile(r"[a-z][a-z0-9_]*")
+# keys the study sets itself in every run: an arm or `run` setting them would contradict it
+STUDY_SET = {("train", "seed"): "the study's seeds", ("warmup_sft", "cache_dir"): "share_warm_start"}
+
+
+@section
+class StudyConfig:
+    base_config: str = field("configs/toy.py", help="the run config file every arm starts from (relative: to the repo)")
+    seeds: str = field("0,1,2,3,4", help="comma-separated train.seed values; every arm runs each")
+    parallel: int = field(1, ge=1, help="runs at once (each is its own train process with its own rollout server)")
+    baseline: str = field("grpo_raw", help="the arm every other arm is compared with, paired by seed")
+    benchmark: str = field("toy", help="the eval benchmark whose accuracy the summary reports (data.eval name)")
+    share_warm_start: bool = field(
+        True, help="keep warm starts and step-0 evaluations in <study>/warm_cache, shared by the runs of a seed")
+    tail_steps: int = field(1, ge=1, help="training-rollout metrics: the summary's 'last' is the mean of the last N steps")
+    bootstrap_resamples: int = field(10_000, ge=100, help="resamples of the bootstrap CI over seeds")
+    bootstrap_seed: int = field(0, ge=0, help="seed of the bootstrap")
+    ci_level: float = field(0.95, gt=0.0, lt=1.0, help="confidence level of the CI over seeds")
+    ci_method: Literal["percentile", "BCa"] = field(
+        "percentile", help="scipy.stats.bootstrap method; BCa needs varying values and more seeds to be stable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    overrides: dict[str, Any]  # dotted run key -> value, the `run` section's and then the arm's own
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    settings: StudyConfig
+    base_config: Path
+    arms: tuple[Arm, ...]
+    seeds: tuple[int, ...]
+
+    def run_config(self, arm: Arm, seed: int, cache_dir: Path | None) -> ml_collections.ConfigDict:
+        """The run config of `arm` at `seed`: the base file's, with the arm's overrides."""
+        c = load_run_config(self.base_config)
+        apply(c, {**arm.overrides, "train.seed": seed}, f"config.arms.{arm.name}")
+        if cache_dir is not None:
+            apply(c, {"warmup_sft.cache_dir": str(cache_dir)}, "config.share_warm_start")
+        return c
+
+
+def load_run_config(path: Path) -> ml_collections.ConfigDict:
+    """`get_config()` of a run config file, as `--config path` loads it."""
+    spec = importlib.util.spec_from_file_location(f"_study_run_config_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"config.base_config: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def flatten(node: Any, where: str) -> dict[str, Any]:
+    """A partial run config (nested ConfigDicts) as dotted key -> value."""
+    if not isinstance(node, ml_collections.ConfigDict):
+        raise ConfigError(f"{where}: expected a partial run config (section.key = value), got {node!r}")
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update({f"{key}.{k}": v for k, v in flatten(value, f"{where}.{key}").items()})
+        else:
+            out[key] = value
+    return out
+
+
+def apply(c: ml_collections.ConfigDict, overrides: dict[str, Any], where: str) -> None:
+    """Set dotted run keys on the locked run config `c`; an unknown key is rejected naming it."""
+    for dotted, value in overrides.items():
+        path = dotted.split(".")
+        node = c
+        for i, name in enumerate(path):
+            if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+                known = ", ".join(sorted(node.keys())) if isinstance(node, ml_collections.ConfigDict) else "none"
+                raise ConfigError(f"{where}.{'.'.join(path[:i + 1])}: unknown run-config key; there: {known}")
+            if i < len(path) - 1:
+                node = node[name]
+        if isinstance(node[path[-1]], ml_collections.ConfigDict):
+            raise ConfigError(f"{where}.{dotted}: is a section, not a key")
+        if value is None:
+            raise ConfigError(f"{where}.{dotted}: None cannot be passed on the train command line; set it in the "
+                              "base config file instead")
+        try:
+            node[path[-1]] = value
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}.{dotted}: {value!r} does not fit the run key: {e}") from None
+
+
+def study_config() -> ml_collections.ConfigDict:
+    """Every study key at its default, plus the free-form `run` and `arms` partial run configs."""
+    c = ml_collections.ConfigDict({k: v for k, (_, v) in schema.defaults(StudyConfig).items()})
+    c.run = ml_collections.ConfigDict()
+    c.arms = ml_collections.ConfigDict()
+    return c
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ConfigError(f"config.seeds: {text!r} is not a comma-separated list of integers, e.g. '0,1,2,3,4'") from None
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"config.seeds: {text!r}: seeds must be distinct and >= 0")
+    return seeds
+
+
+def validate_study(c: ml_collections.ConfigDict) -> Study:
+    """The checked study; raises ConfigError naming the first key that cannot work."""
+    values = c.to_dict()
+    for name in ("run", "arms"):
+        if not isinstance(values.get(name), dict):
+            raise ConfigError(f"config.{name}: missing; start the study config from cleaner_jax.study.config.study_config()")
+    settings = schema.build(StudyConfig, {k: v for k, v in values.items() if k not in ("run", "arms")}, "config")
+    seeds = parse_seeds(settings.seeds)
+    base = Path(settings.base_config)
+    base = base if base.is_absolute() else ROOT / base
+    if not base.is_file():
+        raise ConfigError(f"config.base_config: {settings.base_config!r} is not a file (relative paths start at {ROOT})")
+    if not c.arms:
+        raise ConfigError("config.arms: no arms; add at least one, e.g. c.arms.cleaner = ml_collections.ConfigDict()")
+    shared = flatten(c.run, "config.run")
+    arms = []
+    for name in c.arms:
+        if not ARM_NAME.fullmatch(name):
+            raise ConfigError(f"config.arms.{name}: an arm name is lower-case letters, digits and _ (it names a directory)")
+        own = flatten(c.arms[name], f"config.arms.{name}")
+        for where, keys in (("config.run", shared), (f"config.arms.{name}", own)):
+            for dotted in keys:
+                reason = STUDY_SET.get(tuple(dotted.split(".", 1)))  # type: ignore[arg-type]
+                if reason is not None:
+                    raise ConfigError(f"{where}.{dotted}: set by the study ({reason}); remove it here")
+        arms.append(Arm(name, {**shared, **own}))
+    if settings.baseline not in c.arms:
+        raise ConfigError(f"config.baseline: {settings.baseline!r} is not an arm; the arms are: {', '.join(c.arms)}")
+    study = Study(settings, base, tuple(arms), seeds)
+    for arm in study.arms:  # every run config is built and checked now, not when its turn comes
+        try:
+            r = validate(study.run_config(arm, seeds[0], None))
+            if settings.share_warm_start and r.warmup_sft.steps > 0:
+                validate(study.run_config(arm, seeds[0], Path("/nonexistent/cache")))
+        except ConfigError as e:
+            raise ConfigError(f"config.arms.{arm.name} (with config.run): the run config is rejected: {e}") from None
+        if settings.benchmark not in [n.split("=", 1)[0] for n in r.data.eval.split(",") if n]:
+            raise ConfigError(f"config.benchmark: {settings.benchmark!r} is not evaluated by arm {arm.name!r} "
+                              f"(data.eval={r.data.eval!r})")
+        if settings.share_warm_start and r.warmup_sft.steps == 0:
+            raise ConfigError(f"config.share_warm_start: arm {arm.name!r} has warmup_sft.steps=0, so there is no warm "
+                              "start to share: set share_warm_start=False")
+    return study

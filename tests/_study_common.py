@@ -1,0 +1,172 @@
+"""A small real study (2 arms x 2 seeds, 2 RL steps, a tiny evaluation), run once per test session
+and shared: by tests/test_study_e2e.py and by the notebook tests, which run on its output.
+
+The fixture runs `python -m cleaner_jax.study` as a user would, on a snapshot of the package and
+the configs taken when it starts (`SmallStudy.source`, first on PYTHONPATH: the study's runs and
+a rerun of one of them then run one version of the code, even while the working tree is being
+edited), kills it (SIGKILL to the study's
+process group and the rollout server that left it) once the second run has committed its step-1
+checkpoint, and runs the same command again to the end, so the output it hands over is that of a
+killed-and-continued study. `SmallStudy` says what happened (which run was killed, when).
+
+Use it from a test file as
+
+    from _study_common import STUDY_TIMEOUT_S, small_study  # noqa: F401  (the fixture)
+    pytestmark = pytest.mark.timeout(STUDY_TIMEOUT_S)
+
+(the first test to use it pays for the study in its setup, which pytest-timeout counts: pytest.ini's
+600 s are not enough on a loaded 2-core box, where one toy run takes 1.5-3.5 minutes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY_TIMEOUT_S = 3600  # the study (4 runs, one of them killed and continued) and the test that waits for it
+ARMS = ("cleaner", "grpo_raw")  # the runner's order within a seed (the study config's arms, sorted)
+SEEDS = (0, 1)
+RUN_OVERRIDES = {  # on top of configs/toy.py: the smallest run that still trains, evaluates and resumes
+    "train": {"steps": 2, "eval_every": 2, "checkpoint_every": 1, "eval_before_train": True},
+    "warmup_sft": {"steps": 2, "examples": 16, "batch_size": 8},
+    "algo": {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4},
+    "data": {"eval_limit": 2},
+    "eval": {"n": 2},
+    "sandbox": {"workers": 2},
+}
+
+STUDY_CONFIG = f'''
+from ml_collections import ConfigDict
+from cleaner_jax.study.config import study_config
+
+
+def get_config():
+    c = study_config()
+    c.base_config = "configs/toy.py"
+    c.seeds = "{",".join(map(str, SEEDS))}"
+    c.baseline = "grpo_raw"
+    c.bootstrap_resamples = 1000
+    c.run = ConfigDict({RUN_OVERRIDES!r})
+    c.arms.cleaner = ConfigDict()
+    c.arms.grpo_raw = ConfigDict({{"saar": {{"enable": False}}}})
+    return c
+'''
+
+
+def metrics_by_step(path: Path) -> dict[int, dict]:
+    """Last row per step of a metrics.jsonl (a resumed run re-logs the steps after its checkpoint)."""
+    rows: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row.pop("step"), {}).update(row)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallStudy:
+    workdir: Path
+    config: Path
+    command: tuple[str, ...]
+    source: Path               # the snapshot the study ran: cwd and PYTHONPATH of every command
+    killed_run: Path           # the run the study was killed in
+    killed_at_steps: int       # checkpoints the killed run had committed when killed
+    first_run_done_before_kill: str  # the first run's DONE marker text at the kill (it must not be redone)
+    seconds: float             # both invocations together
+
+    def run(self, arm: str, seed: int) -> Path:
+        return self.workdir / "runs" / arm / f"seed_{seed}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(self.source)}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of `pid` (children that left its process group too)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:  # already reaped: its children, if any, were re-parented
+        return []
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the study's process group and every descendant that left it (the embedded rollout
+    server runs in its own session); all of them were started by this fixture."""
+    escaped = [p for p in _descendants(proc.pid)]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for p in escaped:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def snapshot(root: Path) -> Path:
+    """A copy of the package and the configs under `root/src`."""
+    src = root / "src"
+    for name in ("cleaner_jax", "configs"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
+def run_to_end(cmd, cwd: Path, env: dict[str, str], log: Path, timeout_s: float) -> int:
+    """Run `cmd` in its own session, console to `log`; on a timeout (or any error, the test's own
+    timeout included) kill it and every process it started."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
+def run_small_study(root: Path) -> SmallStudy:
+    root.mkdir(parents=True, exist_ok=True)
+    src = snapshot(root)
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    config = root / "small_study.py"
+    config.write_text(STUDY_CONFIG)
+    workdir = root / "study"
+    cmd = (sys.executable, "-m", "cleaner_jax.study", "--config", str(config), "--workdir", str(workdir))
+    first = workdir / "runs" / ARMS[0] / f"seed_{SEEDS[0]}"
+    second = workdir / "runs" / ARMS[1] / f"seed_{SEEDS[0]}"
+    t0 = time.monotonic()
+    with open(root / "study_console_1.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not (second / "checkpoints" / "1").is_dir():
+            if proc.poll() is not None:
+                raise AssertionError(f"the study ended (exit {proc.returncode}) before it could be killed: "
+                                     + (root / "study_console_1.log").read_text()[-3000:])
+            if time.monotonic() > deadline:
+                raise AssertionError("the study's second run wrote no step-1 checkpoint within 900 s")
+            time.sleep(0.2)
+        done_text = (first / "DONE").read_text()
+        killed_at = len([p for p in (second / "checkpoints").iterdir() if p.name.isdigit()])
+    finally:
+        kill_tree(proc)
+    console = root / "study_console_2.log"
+    rc = run_to_end(cmd, src, env, console, 1800)
+    assert rc == 0, console.read_text()[-5000:]
+    return SmallStudy(workdir, config, cmd, src, second, killed_at, done_text, time.monotonic() - t0)
+
+
+@pytest.fixture(scope="session")
+def small_study(tmp_path_factory) -> SmallStudy:
+    return run_small_study(tmp_path_factory.mktemp("small_study"))
