@@ -5,10 +5,11 @@ dispatched by your scheduler with --print).
     python launch/sweep.py --config configs/toy.py --workdir runs/gamma \
         --grid saar.gamma=0.3,0.5,0.7 --grid saar.max_retries=1,3 [--set train.steps=20] [--print]
 
-Every run's overrides are recorded in <run>/sweep_point.json; `cleaner_jax.viz.plots` (and the
-ablation notebook) read the TensorBoard events of all runs under --workdir back by these names.
-A key the run config does not have stops the sweep before any run starts; each run validates
-its values when it starts.
+Every run's overrides are recorded in <run>/sweep_point.json; `cleaner_jax.viz.plots.plot_sweep`
+draws one curve per run labelled by them. A sweep with a seed grid (`--grid train.seed=0,1,2`) is
+a study to notebooks/ablation.ipynb (`viz.plots.study_runs`): an arm per point without the seed,
+with bands and bootstrap intervals over its seeds. A key the run config does not have stops the
+sweep before any run starts; each run validates its values when it starts.
 """
 from __future__ import annotations
 

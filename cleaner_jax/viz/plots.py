@@ -2,11 +2,13 @@
 
 A sweep (launch/sweep.py) leaves one run directory per grid point with a `sweep_point.json`;
 `plot_sweep` draws one curve per run for a metric, labelled by the swept values, so an
-ablation over γ, K or the learning rate is one call (or one notebook cell).
+ablation over γ, K or the learning rate is one call (or one notebook cell). `study_runs` finds the
+runs of a study (arms × seeds), whichever tool made it, for notebooks/ablation.ipynb.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -74,3 +76,39 @@ def plot_runs(runs: dict[str, Path], tag: str, out_png: str | Path, *, title: st
 
 def plot_sweep(sweep_dir: str | Path, tag: str, out_png: str | Path) -> Path:
     return plot_runs(sweep_runs(sweep_dir), tag, out_png, title=f"{tag} — {Path(sweep_dir).name}")
+
+
+Arms = dict[str, dict[int, Path]]  # arm label -> seed -> run directory
+_SEED_DIR = re.compile(r"^seed_(\d+)$")
+
+
+def study_runs(study_dir: str | Path) -> Arms:
+    """Arm -> seed -> run directory, for the two layouts a study comes in: `<study>/runs/<arm>/seed_<s>/`
+    (`python -m cleaner_jax.study`) or a sweep (launch/sweep.py, one `sweep_point.json` per run),
+    whose arm is its sweep point without `train.seed` and whose seed is the run's own `train.seed`
+    (config.json), so a sweep over `--grid train.seed=0,1,2` is a study too. A study's run without
+    the `DONE` marker the study writes when train exits 0 is running or failed: it is left out, as
+    the study's own summary leaves it out (a sweep writes no marker: all its runs count)."""
+    study_dir = Path(study_dir)
+    arms: Arms = {}
+    if (study_dir / "runs").is_dir():
+        for run in sorted((study_dir / "runs").glob("*/seed_*")):
+            if run.is_dir() and (m := _SEED_DIR.match(run.name)) and (run / "DONE").exists():
+                arms.setdefault(run.parent.name, {})[int(m.group(1))] = run
+    else:
+        for point_file in sorted(study_dir.glob("*/sweep_point.json")):
+            point = json.loads(point_file.read_text())
+            config_file = point_file.parent / "config.json"
+            if not config_file.exists():
+                raise FileNotFoundError(f"{config_file} missing: the run of {point_file} never started "
+                                        "(rerun the sweep, or remove the directory)")
+            seed = int(json.loads(config_file.read_text())["train"]["seed"])
+            label = ", ".join(f"{k}={v}" for k, v in point.items() if k != "train.seed") or "all runs"
+            if seed in arms.get(label, {}):
+                raise ValueError(f"{point_file.parent} and {arms[label][seed]}: two runs of arm {label!r} with "
+                                 f"train.seed={seed}")
+            arms.setdefault(label, {})[seed] = point_file.parent
+    if not arms:
+        raise FileNotFoundError(f"no study under {study_dir}: expected finished runs runs/<arm>/seed_<s>/DONE "
+                                "(cleaner_jax.study) or */sweep_point.json (launch/sweep.py)")
+    return {arm: dict(sorted(seeds.items())) for arm, seeds in arms.items()}
