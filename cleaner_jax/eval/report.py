@@ -23,6 +23,7 @@ from cleaner_jax.eval import metrics
 from cleaner_jax.eval.pass_at_k import mean_pass_at_k
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.trajectory import Episode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class BenchmarkResult:
     invalid: int  # samples lost to infrastructure failures (excluded)
     problems_without_valid_samples: int
     tool: dict[str, float]
+    # the policy's own first try of each tool call (SAAR's retries excluded): failed / tried, and
+    # failed per valid trajectory (the unit of docs/metrics.md's "Evaluation"); NaN without samples
+    first_attempt_error_rate: float
+    first_attempt_errors_per_trajectory: float
     settings: dict[str, Any]  # n, temperature, top_p, top_k
     seeds: dict[str, Any]  # the evaluation seed and the bootstrap seed and resamples
     timing: dict[str, float]  # wall_s_per_problem (mean), wall_s_per_problem_median, wall_s_total
@@ -85,15 +90,25 @@ def summarise(name: str, saar: bool, records: Sequence[dict[str, Any]], n: int, 
         head = {"mean_at_n": nan, "std_at_n": nan, "ci": {"level": ci_level, "low": nan, "high": nan},
                 "pass_at_k": {}, "best_at_k": {}, "worst_at_k": {}, "maj_at_k": {}}
     walls = [float(r["wall_s"]) for r in rows]
+    tried, failed = first_attempts(episodes)
     return BenchmarkResult(
         name=name, saar=saar, problems=len(values), samples_per_problem=n, **head,
         mean_score=float(np.mean(scores)) if scores else float("nan"), invalid=invalid,
         problems_without_valid_samples=empty, tool=step_metrics(episodes) if episodes else {},
+        first_attempt_error_rate=failed / tried if tried else (0.0 if episodes else float("nan")),
+        first_attempt_errors_per_trajectory=failed / len(episodes) if episodes else float("nan"),
         settings=dict(settings), seeds={"eval_seed": eval_seed, "bootstrap_seed": bootstrap_seed,
                                         "bootstrap_resamples": resamples},
         timing={"wall_s_per_problem": float(np.mean(walls)) if walls else float("nan"),
                 "wall_s_per_problem_median": float(np.median(walls)) if walls else float("nan"),
                 "wall_s_total": float(np.sum(walls))})
+
+
+def first_attempts(episodes: Sequence[Episode]) -> tuple[int, int]:
+    """(tool calls tried, first tries that failed) over `episodes`: the policy's own first try of
+    each call, before any SAAR retry: the policy's own calls, whether SAAR is on or off."""
+    tried = sum(e.stats.first_attempt_total for e in episodes)
+    return tried, tried - sum(e.stats.first_attempt_success for e in episodes)
 
 
 def _pass_ks(n: int) -> list[int]:
@@ -121,6 +136,8 @@ def metric_dict(results: Sequence[BenchmarkResult]) -> dict[str, float]:
                 out[f"{p}/{name}@{k}/mean"] = ms["mean"]
                 out[f"{p}/{name}@{k}/std"] = ms["std"]
         out[f"{p}/mean_score"] = r.mean_score
+        out[f"{p}/first_attempt_error_rate"] = r.first_attempt_error_rate
+        out[f"{p}/first_attempt_errors_per_trajectory"] = r.first_attempt_errors_per_trajectory
         out[f"{p}/wall_s_per_problem"] = r.timing["wall_s_per_problem"]
     return out
 
@@ -134,7 +151,7 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
     bks = sorted({k for r in results for k in r.maj_at_k})
     head = (["benchmark", "SAAR", "problems", "n", "T", "top-p", "mean@n", "CI", "std@n"]
             + [f"pass@{k}" for k in ks] + [f"best@{k}" for k in bks] + [f"maj@{k}" for k in bks]
-            + ["mean score", "tool success", "SAAR recovery", "invalid"])
+            + ["mean score", "tool success", "first-attempt errors / traj", "SAAR recovery", "invalid"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s = r.settings
@@ -144,6 +161,7 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
         cells += [_pct(r.best_at_k[k]["mean"]) if k in r.best_at_k else "-" for k in bks]
         cells += [_pct(r.maj_at_k[k]["mean"]) if k in r.maj_at_k else "-" for k in bks]
         cells += [f"{r.mean_score:+.3f}", f"{r.tool.get('tool_calls/success_rate', float('nan')):.3f}",
+                  f"{r.first_attempt_errors_per_trajectory:.3f}",
                   f"{r.tool.get('rollback/global_recovery_rate', float('nan')):.3f}", str(r.invalid)]
         lines.append("| " + " | ".join(cells) + " |")
     level = results[0].ci["level"] if results else 0.95
@@ -152,6 +170,7 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
              f"CI: its {100 * level:g}% percentile-bootstrap interval over problems; std@n: per-problem std, averaged; "
              f"pass@k: unbiased estimator; best@k / maj@k: the authors' bootstrap "
              f"({seeds.get('bootstrap_resamples')} resamples, seed {seeds.get('bootstrap_seed')}); "
+             f"first-attempt errors / traj: failed first tries of tool calls per valid sample (SAAR retries excluded); "
              f"evaluation seed {seeds.get('eval_seed')}.")
     lat = ["| benchmark | SAAR | problems run | wall s / problem (median) | wall s / problem (mean) | wall s total |",
            "|---|---|---|---|---|---|"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -100,3 +101,62 @@ def plot_run(workdir: str | Path) -> list[Path]:
         written.append(out_dir / name)
     log.info("wrote %d plots under %s", len(written), out_dir)
     return written
+
+
+# the held-out numbers a run is judged by, before RL (the step-0 evaluation) and after it (the
+# last one): (label, metric name under eval/<benchmark>/, percent?); mean@<n> is found per benchmark
+SUMMARY_ROWS: list[tuple[str, str, bool]] = [
+    ("accuracy ({})", "mean@", True),
+    ("first-attempt tool error rate", "first_attempt_error_rate", True),
+    ("first-attempt tool errors / trajectory", "first_attempt_errors_per_trajectory", False),
+]
+_MEAN_AT = re.compile(r"(eval/.+)/(mean@\d+)")
+
+
+def before_after_rows(scalars: dict[str, tuple[list[int], list[float]]]) -> list[tuple[str, float, float, bool]]:
+    """(label, before RL, after RL, percent?) per benchmark and `SUMMARY_ROWS` entry: before is the
+    evaluation at step 0 (NaN when the run had none: `train.eval_before_train` off), after the
+    evaluation at the run's last evaluated step > 0 (NaN when there was none)."""
+    rows = []
+    for key in sorted(scalars):
+        m = _MEAN_AT.fullmatch(key)
+        if m is None:
+            continue
+        prefix, mean_at = m.groups()
+        for label, name, percent in SUMMARY_ROWS:
+            tag = f"{prefix}/{mean_at}" if name == "mean@" else f"{prefix}/{name}"
+            if tag not in scalars:
+                continue
+            values = dict(zip(*scalars[tag]))
+            later = [s for s in values if s > 0]
+            rows.append((f"{prefix.removeprefix('eval/')} {label.format(mean_at)}", values.get(0, math.nan),
+                         values[max(later)] if later else math.nan, percent))
+    return rows
+
+
+def run_summary(workdir: str | Path) -> str:
+    """The table `train.py` prints at the end of a run: held-out accuracy and first-attempt tool
+    errors before and after RL and the change, from `<workdir>/tb/metrics.jsonl` (so a resumed run
+    reports its step-0 evaluation too)."""
+    scalars = read_metrics(workdir)
+    rows = before_after_rows(scalars)
+    if not rows:
+        return "no held-out evaluation in this run (data.eval, train.eval_every)"
+    steps = [s for tag, (ss, _) in scalars.items() if _MEAN_AT.fullmatch(tag) for s in ss if s > 0]
+    after = f"after RL (step {max(steps)})" if steps else "after RL"
+
+    def cell(v: float, percent: bool) -> str:
+        return "-" if not math.isfinite(v) else f"{100 * v:.1f} %" if percent else f"{v:.3f}"
+
+    def change(a: float, b: float, percent: bool) -> str:
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return "-"
+        return f"{100 * (b - a):+.1f} pts" if percent else f"{b - a:+.3f}"
+
+    width = max(len(r[0]) for r in rows)
+    lines = [f"  {'held-out':{width}s}  {'before RL (step 0)':>18s}  {after:>20s}  {'change':>10s}"]
+    lines += [f"  {label:{width}s}  {cell(a, p):>18s}  {cell(b, p):>20s}  {change(a, b, p):>10s}"
+              for label, a, b, p in rows]
+    if not any(math.isfinite(a) for _, a, _, _ in rows):
+        lines.append("  (no evaluation before RL: run with --config.train.eval_before_train=True to measure it)")
+    return "\n".join(lines)
