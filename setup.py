@@ -30,6 +30,7 @@ INSTALL_REQUIRES = [
     "Jinja2>=3.1.6,<4",
     "pyarrow>=26.0.1,<28",  # Open-AgentRL-style parquet training data
     "json_repair>=0.40,<1",  # the authors' tool-call JSON parser (agent.tool_call_parser="json_repair")
+    "scipy>=1.15,<2",  # the study's bootstrap CI over seeds (cleaner_jax/study/aggregate.py: bootstrap's rng=)
 ]
 
 EXTRAS_REQUIRE = {
@@ -48,6 +49,13 @@ EXTRAS_REQUIRE = {
         # drives Debian's chromium (/usr/bin/chromium, installed by .ci/run) in tests/test_viz_browser.py;
         # it never downloads a browser of its own (the test passes executable_path)
         "playwright>=1.45,<2",
+        # the real router (a Rust binary in the wheel) in front of two of our servers in
+        # tests/test_router.py; launch/router.sh runs it in front of SGLang fleets
+        "sglang-router>=0.3.2,<0.4",
+        # run notebooks/*.ipynb top to bottom in a real kernel (tests/test_notebooks.py)
+        "nbclient>=0.11.0,<0.12",
+        "nbformat>=5.11.1,<6",
+        "ipykernel>=7.4.0,<8",
     ],
     # Accelerator builds of JAX (declared, not installable on the CPU CI box): the jaxlib plugin
     # wheels must match the jax version, so they carry the same range as install_requires.

@@ -22,9 +22,10 @@ from typing import Literal
 
 import ml_collections
 
-from cleaner_jax import schema
+from cleaner_jax import distributed, schema
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.data import livecodebench
+from cleaner_jax.distributed import DistributedConfig
 from cleaner_jax.data.benchmarks import USER_BENCHMARKS, check_user_file, parse_eval_spec
 from cleaner_jax.data.filter import FILTERED_SUFFIX
 from cleaner_jax.data.problems import BENCHMARKS
@@ -129,6 +130,11 @@ class RolloutConfig:
     sync_idle_timeout_s: float = field(
         30.0, gt=0.0, help="weight sync: seconds a paused server may take to finish its requests before its "
         "/flush_cache succeeds (SGLang refuses the flush while any request runs); then the sync fails")
+    colocated: bool = field(
+        False, help="the rollout servers share the learner's accelerators: each step releases their weights and KV "
+        "memory (/release_memory_occupation) after the rollouts and resumes it before the weight sync; needs "
+        "train.xla_allocator=platform, and real SGLang servers started with --enable-memory-saver "
+        "(docs/scaling.md, Colocated placement)")
 
 
 @section
@@ -207,8 +213,19 @@ class WarmupSftConfig:
     steps: int = field(0, ge=0, help="supervised warm-start steps before RL (toy task only)")
     lr: float = field(3e-3, gt=0.0, help="warm-start learning rate")
     examples: int = field(256, ge=1, help="scripted demonstrations")
-    error_rate: float = field(0.3, ge=0.0, le=1.0, help="share of demonstrations with a failed-then-fixed call")
+    error_rate: float = field(0.3, ge=0.0, le=1.0, help="share of the tool-using demonstrations whose first call fails")
+    deep_error_share: float = field(
+        0.0, ge=0.0, le=1.0, help="of the failing first calls, the share that are a wrong approach (a `calc` helper "
+        "that does not exist, fixed by a different program); the rest are typos fixed by a similar call")
+    guess_rate: float = field(
+        0.0, ge=0.0, le=1.0, help="share of demonstrations that answer at once, without the tool, with a wrong number")
+    give_up_rate: float = field(
+        0.0, ge=0.0, le=1.0, help="after a failed call, the share of demonstrations that guess instead of fixing it")
     batch_size: int = field(16, ge=1, help="warm-start batch size")
+    cache_dir: str | None = field(
+        None, help="directory where warm starts (and the step-0 evaluation) are kept and reused by every run "
+        "whose warm-start config values and code match (cleaner_jax/toy/warm_cache.py, docs/study.md); None: "
+        "each run makes its own")
 
 
 @section
@@ -228,6 +245,10 @@ class TrainConfig:
     weight_export_dir: str | None = field(
         None, help="existing directory for the weight exports (e.g. /dev/shm): the run writes into its own "
         "sub-directory there; None: <workdir>/sync. Only the newest export is kept")
+    weight_export_shard_mb: float = field(
+        5000.0, gt=0.0, help="largest safetensors file of a weight export, in MB (10^6 bytes; HF's max_shard_size "
+        "'5GB'): a bigger model is written as model-0000k-of-0000n.safetensors + model.safetensors.index.json, "
+        "one that fits as a single model.safetensors. In a multi-process run file k is written by process k mod N")
     dump_trajectories: bool = field(True, help="write each step's episodes under the workdir")
     loss_scale_init = borrow(LossScaleConfig, "init_scale")
     loss_scale_growth_interval = borrow(LossScaleConfig, "growth_interval")
@@ -237,6 +258,17 @@ class TrainConfig:
     max_consecutive_skips: int = field(
         20, ge=1, help="stop the run (after writing a checkpoint) once this many optimizer updates in a row were "
         "skipped for a non-finite loss or gradient")
+    xla_mem_fraction: float | None = field(
+        None, gt=0.0, le=1.0, help="XLA_CLIENT_MEM_FRACTION of the trainer (and of the embedded rollout server it "
+        "starts, which inherits it), set by train's main before JAX starts: the share of each GPU the bfc pool "
+        "preallocates or may grow to; None: JAX's default (0.75)")
+    xla_preallocate: bool = field(
+        True, help="XLA_PYTHON_CLIENT_PREALLOCATE of the trainer and its embedded server: the bfc pool takes its "
+        "fraction at start-up (JAX's default) or grows on demand (False)")
+    xla_allocator: Literal["default", "bfc", "platform"] = field(
+        "default", help="XLA_PYTHON_CLIENT_ALLOCATOR of the trainer and its embedded server: default (JAX's: bfc), "
+        "bfc (a pool that keeps what it frees), platform (cudaMalloc/cudaFree per buffer, slower: the only one that "
+        "gives freed memory back to the device, which rollout.colocated needs)")
 
 
 @section
@@ -279,6 +311,7 @@ class RunConfig:
     warmup_sft: WarmupSftConfig
     train: TrainConfig
     eval: EvalConfig
+    distributed: DistributedConfig
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)
@@ -419,6 +452,19 @@ def sandbox_warning(r: RunConfig) -> str | None:
             "(at most the CPU cores the sandbox may use)")
 
 
+def check_processes(r: RunConfig, processes: int) -> None:
+    """What train's loop does not split over several learner processes yet (docs/scaling.md
+    "Several hosts: the learner"); raises ConfigError naming the key."""
+    if processes <= 1:
+        return
+    _require(not r.algo.dynamic_sampling, "algo.dynamic_sampling",
+             f"True with {processes} learner processes (distributed.*): the rounds of DAPO dynamic sampling are not "
+             "yet agreed across processes; set algo.dynamic_sampling=False or run one process")
+    _require(not r.rollout.colocated, "rollout.colocated",
+             f"True with {processes} learner processes (distributed.*): releasing and resuming the rollout memory "
+             "is done by one trainer process only; set rollout.colocated=False or run one process")
+
+
 def _check_combinations(r: RunConfig) -> None:
     """Rules across keys (and the few a range cannot say), in one place."""
     m, d, ro, a, s = r.model, r.data, r.rollout, r.algo, r.saar
@@ -476,6 +522,10 @@ def _check_combinations(r: RunConfig) -> None:
              f"{ro.decode_backend!r} selects the embedded engine's kernels, but rollout.backend={ro.backend!r}")
     _require(ro.top_k != 0, "rollout.top_k", "0 is not allowed: use -1 (off) or k >= 1")
     _require(r.mesh.fsdp != 0, "mesh.fsdp", "0 is not allowed: use -1 (all devices not used by tp) or a size >= 1")
+    distributed.check(r.distributed)  # the learner processes: cross-key rules of the section
+    if r.distributed.mode == "explicit":  # auto mode: train.main checks once the processes joined
+        check_processes(r, r.distributed.num_processes)
+    _check_xla_memory(r)
     export_dir = r.train.weight_export_dir
     _require(export_dir is None or os.path.isdir(export_dir), "train.weight_export_dir",
              f"{export_dir!r} is not an existing directory (e.g. /dev/shm; the run writes its own sub-directory)")
@@ -536,12 +586,34 @@ def _check_combinations(r: RunConfig) -> None:
              f"{w.examples} demonstrations cannot fill a batch of warmup_sft.batch_size={w.batch_size}")
     _require(w.steps == 0 or d.train == TOY, "warmup_sft.steps",
              "the scripted-teacher warm start exists for the toy task only (data.train='toy')")
+    _require(w.cache_dir is None or w.steps > 0, "warmup_sft.cache_dir",
+             f"{w.cache_dir!r} caches warm starts, but warmup_sft.steps=0 makes none: set steps or unset the cache")
+    _require(w.cache_dir is None or (bool(w.cache_dir.strip()) and not os.path.isfile(w.cache_dir)),
+             "warmup_sft.cache_dir", f"{w.cache_dir!r} is not a usable directory path (it is created if missing)")
     # evaluation
     _require(r.eval.top_k != 0, "eval.top_k", "0 is not allowed: use -1 (off) or k >= 1")
     with_saar = sorted(name for name, e in eval_settings(r).items() if e.saar != "off")
     _require(r.agent.use_tools or not with_saar, "eval.saar",
              f"SAAR needs tools, but agent.use_tools=False and SAAR is on at evaluation for {', '.join(with_saar)}: "
              "set eval.saar=off (and no saar=on in eval.overrides)")
+
+
+def _check_xla_memory(r: RunConfig) -> None:
+    """The XLA allocator keys against each other and against rollout.colocated (docs/scaling.md,
+    Colocated placement): memory a released rollout engine frees is usable by the learner (or
+    the engine's memory by a resumed server) only if the process that frees it hands it back to
+    the device, which only XLA's platform allocator does."""
+    t = r.train
+    _require(not (t.xla_allocator == "platform" and t.xla_preallocate), "train.xla_preallocate",
+             "the platform allocator allocates each buffer on demand and preallocates nothing: set "
+             "train.xla_preallocate=False (preallocation is the bfc pool's)")
+    _require(t.xla_allocator != "platform" or t.xla_mem_fraction is None, "train.xla_mem_fraction",
+             f"{t.xla_mem_fraction} sizes the bfc pool, which train.xla_allocator=platform does not use: unset it")
+    _require(not r.rollout.colocated or t.xla_allocator == "platform", "train.xla_allocator",
+             f"{t.xla_allocator!r} with rollout.colocated=True: the bfc pool keeps the memory it frees, so the "
+             "rollout memory a released server frees (its own JAX process) never reaches the learner, and what the "
+             "learner frees never reaches the server again at resume; set train.xla_allocator=platform and "
+             "train.xla_preallocate=False")
 
 
 def eval_benchmark_names(d: DataConfig) -> list[str]:

@@ -28,6 +28,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
+from cleaner_jax import distributed
 from cleaner_jax.config import ConfigError, check_override_keys, validate
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
@@ -98,6 +99,11 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     print(f"evaluating (log: {log_to_file(workdir / 'evaluate.log')})", flush=True)
+    try:  # the learner processes join before any device is touched
+        distributed.initialize(validate(c).distributed)
+        distributed.one_process_only("evaluate")
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
     use_compilation_cache(c)  # before anything compiles
     benchmarks = eval_benchmarks(c)
     if not benchmarks:

@@ -25,6 +25,7 @@ import ml_collections
 from jax.sharding import Mesh
 from transformers import AutoTokenizer
 
+from cleaner_jax import distributed
 from cleaner_jax.agent.collect import Collector
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
@@ -37,6 +38,7 @@ from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet
 from cleaner_jax.rollout.weight_sync import check_context_budget
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
+from cleaner_jax.toy.vocabulary import TOY_VOCAB_SIZE, toy_corpus
 from cleaner_jax.wiring import agent_config, scorer_options
 
 log = logging.getLogger(__name__)
@@ -139,7 +141,8 @@ def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
         tmp = partial_dir(out)
         make_tiny_checkpoint(tmp, config.model.tiny_family, seed=config.train.seed, hidden_size=h,
                              intermediate_size=2 * h, num_hidden_layers=layers, max_window_layers=layers,
-                             vocab_size=512, max_position_embeddings=4096)
+                             vocab_size=TOY_VOCAB_SIZE, max_position_embeddings=4096,
+                             tokenizer_corpus=toy_corpus(config.model.tiny_family))
         commit_dir(tmp, out)
         log.info("wrote a random tiny %s checkpoint to %s", config.model.tiny_family, out)
     return out
@@ -160,12 +163,19 @@ def use_compilation_cache(config: ml_collections.ConfigDict) -> Path | None:
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
-    """An (fsdp, tp) mesh over the local devices; fsdp=-1 takes all devices left by tp."""
-    devices = jax.devices()
+    """An (fsdp, tp) mesh over the devices; fsdp=-1 takes all devices left by tp. With several
+    learner processes (`cleaner_jax.distributed`) it is one global mesh over every process's
+    devices, process by process, so each process's devices hold a contiguous block of the
+    batch rows (`rl.batch.place_batch`) and each tp group stays inside one process."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     tp = config.mesh.tp
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else len(devices) // tp
     if fsdp * tp > len(devices) or fsdp * tp == 0:
         raise ValueError(f"config.mesh: fsdp={fsdp} x tp={tp} needs {fsdp * tp} devices, {len(devices)} available")
+    if jax.process_count() > 1 and (fsdp * tp != len(devices) or jax.local_device_count() % tp):
+        raise ValueError(f"config.mesh: with {jax.process_count()} learner processes the mesh must use all "
+                         f"{len(devices)} devices with tp dividing each process's {jax.local_device_count()}, got "
+                         f"fsdp={fsdp} x tp={tp}: use mesh.fsdp=-1 and a mesh.tp that divides the local device count")
     check_mesh(validate(config), fsdp)  # the micro-batch and attention rules that need the fsdp size
     return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
 
@@ -178,7 +188,11 @@ def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_si
     stopped afterwards (on error too).
 
     The client's connection pool holds `rollout.max_connections` (default: one per concurrent
-    trajectory of a step), and its timeouts come from the `rollout` section."""
+    trajectory of a step), and its timeouts come from the `rollout` section.
+
+    Several learner processes (`cleaner_jax.distributed`): process 0 starts the embedded server
+    and broadcasts its URL; the others use it as an external server (process 0 restarts it if
+    it dies; their fleets wait for it and re-admit it on the current weights)."""
     ro = config.rollout
     pool = ro.max_connections or config.algo.prompts_per_step * config.algo.group_size
     opts = dict(timeout_s=ro.request_timeout_s, read_timeout_per_token_s=ro.read_timeout_per_token_s,
@@ -187,11 +201,18 @@ def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_si
         urls = [u.strip() for u in ro.server_urls.split(",") if u.strip()]
         yield RolloutFleet(SGLangClient(urls, **opts), server_wait_s=ro.server_wait_s)
         return
+    if not distributed.is_main():
+        url = distributed.broadcast_text(None)
+        log.info("process 0's embedded rollout server at %s", url)
+        yield RolloutFleet(SGLangClient([url], **opts), server_wait_s=ro.server_wait_s)
+        return
     server = EmbeddedServerProcess(model_dir, dtype=config.model.compute_dtype, decode_backend=ro.decode_backend)
     try:
         server.start()
         server.wait_ready_blocking(ro.server_wait_s)
         log.info("embedded rollout server at %s (pid %d)", server.url, server.pid)
+        if jax.process_count() > 1:
+            distributed.broadcast_text(server.url)
         yield RolloutFleet(SGLangClient([server.url], **opts), server_wait_s=ro.server_wait_s, embedded=server)
     finally:
         server.stop()

@@ -29,45 +29,53 @@ in a row the run writes a checkpoint and stops with `NonFiniteTrainingError`.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError, check_lost, collect_informative, infra_metrics, rollout_metrics
-from cleaner_jax.config import ConfigError, check_override_keys, validate
+from cleaner_jax.config import ConfigError, check_override_keys, check_processes, validate
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.report import metric_dict
 from cleaner_jax.eval.runner import run_evaluation
-from cleaner_jax.models import qwen
-from cleaner_jax.models.params import NonFiniteWeightsError
+from cleaner_jax.models import qwen, sharding
+from cleaner_jax.models.params import ExportFailedError, NonFiniteWeightsError
 from cleaner_jax.rl.checkpointing import remove_unfinished_saves
 from cleaner_jax.rl.learner import Learner
-from cleaner_jax.rl.metrics_writer import MetricsWriter
+from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter
 from cleaner_jax.rl.step import rl_step_with_old_logprobs, valid_rows
+from cleaner_jax.rollout.client import RolloutServerError
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
-from cleaner_jax.rollout.weight_sync import ContextBudgetError, WeightSyncError, export_and_sync
+from cleaner_jax.rollout.weight_sync import (ContextBudgetError, SyncReport, WeightSyncError, export_checkpoint,
+                                             sync_weights)
 from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir, use_compilation_cache
 from cleaner_jax.toy import task as toy_task
+from cleaner_jax.toy import warm_cache
 from cleaner_jax.toy.warm_start import warm_start
 from cleaner_jax.trajectory import ScoredEpisode
 from cleaner_jax.viz import dumps
 from cleaner_jax.viz.dumps import step_advantages, token_pieces, write_step
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
-from cleaner_jax.viz.run_plots import plot_run
+from cleaner_jax.viz.run_plots import plot_run, run_summary
 from cleaner_jax.wiring import (eval_benchmarks, eval_plan, eval_specs, learner_config, step_config, train_sampling,
                                 training_problems)
 
@@ -96,6 +104,11 @@ def data_seed(c: ml_collections.ConfigDict) -> int:
     return c.train.seed if c.data.seed is None else c.data.seed
 
 
+def log_name(process: int) -> str:
+    """The log file of learner process `process` in the (shared) workdir: train.log for process 0."""
+    return "train.log" if process == 0 else f"train.process_{process}.log"
+
+
 class NonFiniteTrainingError(RuntimeError):
     """Too many optimizer updates in a row had a non-finite loss or gradient."""
 
@@ -108,6 +121,57 @@ def export_root(workdir: Path, export_dir: str | None) -> Path:
         return workdir / "sync"
     tag = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:8]
     return Path(export_dir).resolve() / f"cleaner_jax-{workdir.name}-{tag}"
+
+
+# The XLA client's memory settings (read by jaxlib when the GPU backend starts) and the config key
+# that sets each; the embedded rollout server, a child process, inherits them.
+XLA_MEMORY_ENV = {"XLA_CLIENT_MEM_FRACTION": "train.xla_mem_fraction",
+                  "XLA_PYTHON_CLIENT_PREALLOCATE": "train.xla_preallocate",
+                  "XLA_PYTHON_CLIENT_ALLOCATOR": "train.xla_allocator"}
+DEPRECATED_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # jaxlib refuses it together with the new name
+
+
+def xla_memory_env(c: ml_collections.ConfigDict) -> dict[str, str | None]:
+    """The XLA memory variables the config asks for; None: unset (JAX's default)."""
+    t = c.train
+    return {"XLA_CLIENT_MEM_FRACTION": None if t.xla_mem_fraction is None else repr(float(t.xla_mem_fraction)),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": None if t.xla_preallocate else "false",
+            "XLA_PYTHON_CLIENT_ALLOCATOR": None if t.xla_allocator == "default" else t.xla_allocator}
+
+
+def apply_xla_memory(c: ml_collections.ConfigDict) -> None:
+    """Set the XLA memory variables from the config, before JAX starts its backend (they are
+    read once, then). They are the config's, never a user switch: a value found in the
+    environment is replaced (or removed), with a warning naming the key to use instead."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("apply_xla_memory: the JAX backend is already initialised, so train.xla_mem_fraction, "
+                           "train.xla_preallocate and train.xla_allocator could not take effect; call it first")
+    found = os.environ.pop(DEPRECATED_MEM_FRACTION, None)
+    if found is not None:
+        log.warning("ignored %s=%s from the environment: set train.xla_mem_fraction instead", DEPRECATED_MEM_FRACTION,
+                    found)
+    for name, value in xla_memory_env(c).items():
+        old = os.environ.get(name)
+        if old is not None and old != value:
+            log.warning("replaced %s=%s from the environment by the config's (%s): set %s instead", name, old,
+                        value, XLA_MEMORY_ENV[name])
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def fixed_reference(probe_ids: list[int], start: int, ref: list[float]) -> Callable[[list[int], int], list[float]]:
+    """`sync_weights`' learner_logprobs for the one probe sequence, computed beforehand: with
+    several learner processes the learner's log-probs are collective, and a probe (or a server's
+    re-admission by the fleet) runs on one process."""
+    def learner_logprobs(ids: list[int], at: int) -> list[float]:
+        if list(ids) != list(probe_ids) or at != start:
+            raise ValueError("fixed_reference: asked for another sequence than the weight-sync probe's")
+        return ref
+    return learner_logprobs
 
 
 class WeightSyncFailedError(RuntimeError):
@@ -170,19 +234,39 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         c, wd = self.c, self.workdir
+        # several learner processes (docs/scaling.md "Several hosts: the learner"): the workdir is
+        # shared, so what is written once (the tiny checkpoint, the warm start, cleanups, metrics,
+        # dumps, evaluations, plots) is process 0's, the others wait for it at a barrier
+        main = distributed.is_main()
         with contextlib.ExitStack() as stack:
+            if main:
+                prepare_model_dir(c, wd)
+            distributed.barrier("train: the initial model")
             model_dir = prepare_model_dir(c, wd)
             session = stack.enter_context(Session(c, model_dir))
             mesh = make_mesh(c)
             if c.warmup_sft.steps > 0:
                 warm_dir = wd / "warm_start_model"
-                if not (warm_dir / "config.json").exists():
-                    warm_start(model_dir, warm_dir, c, session.chat, session.executor, session.agent, mesh)
+                if main and not (warm_dir / "config.json").exists():
+                    # process 0 alone, on its own devices (the global mesh would need every process)
+                    warm_mesh = mesh if jax.process_count() == 1 else sharding.make_mesh(
+                        jax.local_device_count() // c.mesh.tp, c.mesh.tp, devices=jax.local_devices())
+                    # the teacher runs with the faithful SAAR settings whatever the run's (warm_cache.teacher_agent)
+                    build = lambda out, init=model_dir: warm_start(  # noqa: E731
+                        init, out, c, session.chat, session.executor, warm_cache.teacher_agent(session.agent),
+                        warm_mesh)
+                    if c.warmup_sft.cache_dir is None:
+                        build(warm_dir)
+                    else:  # shared by the runs whose warm start reads the same values (docs/study.md)
+                        warm_cache.fetch_warm_start(c, warm_dir, build)
+                distributed.barrier("train: the warm start")
                 model_dir = warm_dir
             model = qwen.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
                                          compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl,
                                          remat=c.model.remat, scan_layers=c.model.scan_layers)
-            remove_unfinished_saves(wd / "checkpoints")  # saves a killed run left uncommitted (row 3)
+            if main:
+                remove_unfinished_saves(wd / "checkpoints")  # saves a killed run left uncommitted (row 3)
+            distributed.barrier("train: unfinished saves removed")
             learner = Learner(model, learner_config(c), mesh, checkpoint_dir=wd / "checkpoints")
             stack.callback(learner.close)
             start, state, restored = 0, {}, learner.latest_checkpoint() is not None
@@ -192,18 +276,27 @@ class Trainer:
             session.start_rollout(model_dir)  # checks the agent's token budget against the served context
             # what a killed run logged after its last checkpoint is logged again: drop it (row 3)
             keep = start if restored else -1
-            writer = stack.enter_context(MetricsWriter(wd / "tb", keep_through=keep))
+            writer = stack.enter_context(MetricsWriter(wd / "tb", keep_through=keep) if main else NullMetricsWriter())
             step_loop = _StepLoop(c, wd, session, learner, writer, model_dir)
-            discard_after(wd, export_root(wd, c.train.weight_export_dir), keep)
+            if c.rollout.colocated:
+                step_loop.check_memory_saver()
+            if main:
+                discard_after(wd, export_root(wd, c.train.weight_export_dir), keep)
+            distributed.barrier("train: discarded what a killed run wrote")
             if start > 0:  # the server still serves the initial weights
                 step_loop.sync(start)
             problems = training_problems(c, prompt_len=lambda messages: len(session.chat.prompt_ids(messages)))
             sampler = ProblemSampler(problems, data_seed(c), position=int(state.get("data_position", 0)))
             benchmarks = eval_benchmarks(c)
             if c.train.eval_before_train and start == 0 and benchmarks:
-                step_loop.evaluate(0, benchmarks)
+                step_loop.on_main("train: evaluation before training",
+                                  lambda: step_loop.evaluate_before_training(benchmarks))
             result = step_loop.run(start, sampler, benchmarks)
+            distributed.barrier("train: done")  # process 0 stops the embedded server others may use
+        if not main:
+            return result
         plot_run(wd)  # after the writer is closed: every scalar of the run is on disk
+        print("\nheld-out evaluation before and after RL:\n" + run_summary(wd), flush=True)
         return result
 
 
@@ -220,19 +313,25 @@ class _StepLoop:
         probe = toy_task.make_problems(1, seed=4242)[0]
         self.probe_ids = list(session.chat.prompt_ids(probe.messages))[:64]
         self._sandbox_counts: dict[str, int] = {}  # the sandbox counters at the end of the previous step
+        self._released: list[str] = []  # rollout.colocated: the servers whose memory is released now
 
     def run(self, start: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
         c = self.c
-        bar = tqdm(range(start, c.train.steps), desc="train", unit="step", initial=start, total=c.train.steps)
+        bar = tqdm(range(start, c.train.steps), desc="train", unit="step", initial=start, total=c.train.steps,
+                   disable=not distributed.is_main())
         history: list[dict[str, float]] = []
         for step in bar:
             t0 = time.perf_counter()
-            scored, rounds = self.collect(step, sampler)
+            scored, mine, rounds = self.collect(step, sampler)
             t_rollout = time.perf_counter() - t0
+            colocate = self.release_rollout() if c.rollout.colocated else {}  # the learner phase gets the memory
+            t_learn = time.perf_counter()
             calls_before = self.learner.calls
-            metrics, old_logprobs = rl_step_with_old_logprobs(self.learner, scored, self.step_cfg)
-            t_update = time.perf_counter() - t0 - t_rollout
-            skipped_ids = self.log_skipped(step + 1, scored, calls_before)
+            metrics, old_logprobs = rl_step_with_old_logprobs(self.learner, mine, self.step_cfg)  # global metrics
+            t_update = time.perf_counter() - t_learn
+            skipped_ids = self.log_skipped(step + 1, mine, calls_before)
+            if c.rollout.colocated:  # resume, then the sync loads the new weights, then probes
+                colocate.update(self.resume_rollout())
             sync_failure: WeightSyncFailedError | None = None
             try:
                 sync = self.sync(step + 1)
@@ -241,6 +340,7 @@ class _StepLoop:
             metrics.update(rollout_metrics(scored))
             metrics.update(self.infra)
             metrics.update(self.sandbox_faults())
+            metrics.update(colocate)
             metrics.update({
                 "data/sampling_rounds": float(rounds), "data/position": float(sampler.position),
                 "time/rollout_s": t_rollout, "time/update_s": t_update,
@@ -254,14 +354,16 @@ class _StepLoop:
                 })
             self.writer.write(step + 1, metrics)
             self.writer.flush()
-            if c.train.dump_trajectories:
-                self.dump(step + 1, scored, old_logprobs)
+            if c.train.dump_trajectories:  # every process's old log-probs, in the order of `scored`
+                old_logprobs = [lp for part in distributed.gather_objects(old_logprobs) for lp in part]
+                if distributed.is_main():
+                    self.dump(step + 1, scored, old_logprobs)
             if sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
                 self.learner.save(step + 1, {"data_position": sampler.position})
                 self.learner.wait_until_saved()
                 raise sync_failure
             if benchmarks and c.train.eval_every > 0 and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
-                metrics.update(self.evaluate(step + 1, benchmarks))
+                metrics.update(self.on_main("train: evaluation", lambda s=step + 1: self.evaluate(s, benchmarks)))
             self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
             stop_if_stuck(self.learner, c.train.max_consecutive_skips, step + 1,
                           {"data_position": sampler.position}, skipped_ids)
@@ -274,18 +376,65 @@ class _StepLoop:
                             tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
         return self.summary(history)
 
+    @staticmethod
+    def on_main(barrier: str, work: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """`work()` on process 0 alone while the others wait at `barrier` (and get {}): the
+        evaluation needs only the rollout servers, and it writes one report directory."""
+        out = work() if distributed.is_main() else {}
+        distributed.barrier(barrier)
+        return out
+
+    def release_rollout(self) -> dict[str, float]:
+        """rollout.colocated: release the weights and KV memory of every server in the rotation
+        (all idle: the step's rollouts are done); `resume_rollout` brings back exactly these."""
+        t0 = time.perf_counter()
+        self._released = self.session.fleet.live_urls()
+        answers = self.session.run(self.session.client.release_memory_occupation(urls=self._released))
+        seconds = time.perf_counter() - t0
+        log.info("rollout memory released in %.3f s: %s", seconds, answers)
+        return {"time/colocate/release_s": seconds}
+
+    def resume_rollout(self) -> dict[str, float]:
+        """Resume what `release_rollout` released, before the weight sync loads the new weights
+        (real SGLang's resumed weights hold no values until then). A server that died meanwhile
+        is left to the fleet, which restarts or re-admits it fresh on the current weights
+        (docs/reliability.md row 1); any other refusal stops the run."""
+        t0 = time.perf_counter()
+        client, fleet = self.session.client, self.session.fleet
+        for url in self._released:
+            try:
+                log.info("rollout memory resumed: %s", self.session.run(client.resume_memory_occupation(urls=[url])))
+            except RolloutServerError:
+                if url not in fleet.unreachable():
+                    raise
+                log.warning("rollout server %s died while its memory was released (%s); the fleet brings it back",
+                            url, client.out_of_rotation[url])
+        self._released = []
+        return {"time/colocate/resume_s": time.perf_counter() - t0}
+
+    def check_memory_saver(self) -> None:
+        """rollout.colocated: every server must support memory release (real SGLang only with
+        --enable-memory-saver, which /server_info reports), checked before the first step."""
+        for url in self.session.fleet.live_urls():
+            info = self.session.run(self.session.client.server_info(url))
+            if info.get("enable_memory_saver") is not True:
+                raise ConfigError(f"config.rollout.colocated: {url} was not started with --enable-memory-saver "
+                                  f"(/server_info has enable_memory_saver={info.get('enable_memory_saver')!r}), so it "
+                                  "cannot release its memory: restart it with the flag or set rollout.colocated=False")
+
     def sandbox_faults(self) -> dict[str, float]:
         """The sandbox's fault counters since the previous step (docs/reliability.md row 2)."""
         sb = self.session.sandbox
         now = {"infra/sandbox_retried_calls": sb.retried_calls, "infra/sandbox_infra_results": sb.infra_results,
                "infra/sandbox_replaced_workers": sb.replaced_workers}
         before, self._sandbox_counts = self._sandbox_counts, now
-        return {k: float(v - before.get(k, 0)) for k, v in now.items()}
+        mine = {k: float(v - before.get(k, 0)) for k, v in now.items()}
+        return dict(zip(mine, map(float, distributed.all_sum(np.asarray(list(mine.values()))))))  # every process's
 
     def log_skipped(self, step: int, scored: list[ScoredEpisode], calls_before: int) -> list[list[str]]:
         """The episode ids of this step's skipped updates, each logged as a warning."""
         updates = self.step_cfg.mini_batches
-        ids = update_episode_ids(scored, updates, self.learner.cfg.micro_batch_size)
+        ids = update_episode_ids(scored, updates, self.learner.cfg.micro_batch_size // jax.process_count())
         out = []
         for call in self.learner.skipped_calls:
             if call >= calls_before:
@@ -304,9 +453,15 @@ class _StepLoop:
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False), old_logprobs=old_logprobs)
 
     # -- phases
-    def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[ScoredEpisode], int]:
-        """One step's scored episodes (DAPO dynamic sampling when configured), and its `infra/*`
-        counts in `self.infra`.
+    def collect(self, step: int, sampler: ProblemSampler) -> tuple[list[ScoredEpisode], list[ScoredEpisode], int]:
+        """One step's scored episodes (DAPO dynamic sampling when configured), this process's
+        part of them, and the sampling rounds; its `infra/*` counts in `self.infra`.
+
+        Several learner processes: each collects and scores the groups of its `distributed.share`
+        of the step's prompts, with the seeds one process would give them (`first_group`); the
+        episodes and fault counters are then exchanged, so every process holds the whole step
+        (for the rollout metrics, the dump and the lost-episode rule) and a fault anywhere stops
+        every process at the same point.
 
         Rollout-server faults (docs/reliability.md row 1): servers that came back since the last
         step are re-admitted on the current weights first; episodes whose server died are
@@ -319,18 +474,31 @@ class _StepLoop:
         sampling = train_sampling(c)
         position = sampler.position
         collector.take_counters(), session.client.take_counters(), fleet.take_counters()  # this step's only
+        mine: list[ScoredEpisode] = []
+        rounds, failure = 1, None
         try:
             session.run(fleet.readmit())
             if not c.algo.dynamic_sampling:
-                problems = sampler.take(c.algo.prompts_per_step)
+                problems = sampler.take(c.algo.prompts_per_step)  # every process draws the step's problems
+                share = distributed.share(len(problems))
                 seed = rollout_seed(c.train.seed, step)
-                out = session.run(collector.collect(problems, c.algo.group_size, sampling, seed=seed)), 1
-            else:
-                out = session.run(collect_informative(
+                mine = session.run(collector.collect(problems[share], c.algo.group_size, sampling, seed=seed,
+                                                     first_group=share.start))
+            else:  # one process only (config.check_processes)
+                mine, rounds = session.run(collect_informative(
                     collector, sampler.take, prompts=c.algo.prompts_per_step, n=c.algo.group_size, sampling=sampling,
                     seed=rollout_seed(c.train.seed, step), max_rounds=c.algo.dynamic_sampling_max_rounds))
-            self.infra = infra_metrics(collector.take_counters(), session.client.take_counters(),
-                                       fleet.take_counters())
+        except RolloutUnavailableError as err:
+            failure = err
+        counts = (collector.take_counters(), session.client.take_counters(), fleet.take_counters())
+        parts = distributed.gather_objects((mine, counts, failure))  # [(episodes, counters, error)] per process
+        scored = [s for episodes, _, _ in parts for s in episodes]
+        self.infra = infra_metrics(*(sum((collections.Counter(cnt[k]) for _, cnt, _ in parts), collections.Counter())
+                                     for k in range(3)))
+        try:
+            for p, (_, _, err) in enumerate(parts):
+                if err is not None:
+                    raise err if jax.process_count() == 1 else type(err)(f"learner process {p}: {err}")
             check_lost(self.infra, c.rollout.max_lost_fraction)
         except (RolloutUnavailableError, LostEpisodesError) as err:
             log.error("step %d: %s", step + 1, err)
@@ -339,40 +507,63 @@ class _StepLoop:
                 self.learner.save(step, {"data_position": position})
                 self.learner.wait_until_saved()
             raise type(err)(f"{err} (checkpoint {step} is written; step {step + 1} will be redone)") from err
-        return out
+        return scored, mine, rounds
 
-    def sync(self, step: int):
+    def sync(self, step: int) -> SyncReport | None:
         """Export the learner's weights and load them on every rollout server (canary first, probed).
 
         On failure no server that missed the new weights stays in the rollout rotation, and
         WeightSyncFailedError stops the run; `run` first writes the step's metrics, dump and
-        checkpoint (at resume the restored checkpoint is that state already)."""
+        checkpoint (at resume the restored checkpoint is that state already).
+
+        Several learner processes: every process computes the probe reference and takes part in
+        the export (both collective); process 0 alone loads the export on the servers and probes
+        them, then broadcasts the outcome, so that on a failure every process stops here.
+        Returns the report on process 0 (None on the others)."""
+        main = distributed.is_main()
         root = export_root(self.wd, self.c.train.weight_export_dir)
         link = self.wd / "sync"
-        if root != link and not link.is_symlink() and not link.exists():
+        if main and root != link and not link.is_symlink() and not link.exists():
             root.mkdir(parents=True, exist_ok=True)
             link.symlink_to(root, target_is_directory=True)  # `evaluate --workdir` finds the newest export there
-        learner_lp = lambda ids, start: self._learner_logprobs(ids, start)  # noqa: E731
+        distributed.barrier("train: the export directory")
         c = self.c
         dtype = c.model.param_dtype if c.train.weight_export_dtype == "param" else c.model.compute_dtype
-        probe = dict(probe_ids=self.probe_ids, probe_start=1, learner_logprobs=learner_lp,
-                     max_mean_abs_gap=c.train.weight_sync_probe_tol, idle_timeout_s=c.rollout.sync_idle_timeout_s)
         fleet = self.session.fleet  # row 1: sync the servers in the rotation; one that is back later gets these weights
+        version, timings = f"step-{step}", {}
+        report: SyncReport | None = None
+        failure: Exception | None = None
+        # the learner's probe log-probs of these weights, once (collective): the probe below and every
+        # later re-admission of a server (`fleet.set_current`) compare against them
+        probe = dict(probe_ids=self.probe_ids, probe_start=1,
+                     learner_logprobs=fixed_reference(self.probe_ids, 1, self._learner_logprobs(self.probe_ids, 1)),
+                     max_mean_abs_gap=c.train.weight_sync_probe_tol, idle_timeout_s=c.rollout.sync_idle_timeout_s)
+        path = root / f"step_{step:06d}"
         try:
-            self.session.run(fleet.recover())  # at least one server up (restarted / waited for)
-            report = self.session.run(export_and_sync(
-                self.learner.model(), root / f"step_{step:06d}", self.session.client, f"step-{step}",
-                tokenizer_from=self.model_dir, dtype=dtype, urls=fleet.live_urls(), **probe))
-        except (WeightSyncError, NonFiniteWeightsError, RolloutUnavailableError) as err:
-            log.error("weight sync to step-%d failed: %s", step, err)
+            path = export_checkpoint(self.learner.model(), path, self.model_dir, dtype=dtype, timings=timings,
+                                     max_shard_bytes=int(c.train.weight_export_shard_mb * 10**6))
+            if main:
+                self.session.run(fleet.recover())  # at least one server up (restarted / waited for)
+                report = self.session.run(sync_weights(self.session.client, path, version, urls=fleet.live_urls(),
+                                                       timings=timings, **probe))
+        except (WeightSyncError, NonFiniteWeightsError, ExportFailedError, RolloutUnavailableError) as err:
+            failure = err  # an export failure is raised on every process (`params.save_model`)
+        if jax.process_count() > 1:  # process 0's outcome, so that every process stops together
+            said = distributed.broadcast_text("" if failure is None else f"{type(failure).__name__}: {failure}")
+            if said and failure is None:
+                failure = WeightSyncError(f"on learner process 0: {said}")
+        if failure is not None:
+            log.error("weight sync to step-%d failed: %s", step, failure)
             raise WeightSyncFailedError(
                 f"the weight sync after step {step} failed, so the run stops (checkpoint {step} is on disk; no "
-                f"rollout ran on unverified weights): {err}. Out of the rotation: "
+                f"rollout ran on unverified weights): {failure}. Out of the rotation: "
                 f"{self.session.client.out_of_rotation}. Fix the server or the export and run the same command "
-                "to resume") from err
+                "to resume") from failure
+        fleet.set_current(path, version, **probe)
+        if not main:
+            return None
         log.info("weight sync step-%d: %s (export dtype %s)", step,
                  ", ".join(f"{k} {v:.3f}" for k, v in report.phases.items()), dtype)
-        fleet.set_current(report.model_path, report.weight_version, **probe)
         for old in sorted(root.glob("step_*"))[:-1]:  # servers only need the newest
             shutil.rmtree(old, ignore_errors=False)
         return report
@@ -398,6 +589,22 @@ class _StepLoop:
         self.writer.write(step, out)
         return out
 
+    def evaluate_before_training(self, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
+        """The step-0 evaluation; with warmup_sft.cache_dir, the cached one of the same warm start and
+        evaluation settings (`toy.warm_cache`: same weights, same seeds) is logged instead of rerun."""
+        c = self.c
+        if c.warmup_sft.cache_dir is None or c.warmup_sft.steps == 0:
+            return self.evaluate(0, benchmarks)
+        out_dir = self.wd / "eval" / f"step_{0:06d}"
+        with warm_cache.step0_lock(c):  # runs of the seed started at once evaluate once
+            cached = warm_cache.load_step0_eval(c, out_dir)
+            if cached is not None:
+                self.writer.write(0, cached)
+                return cached
+            out = self.evaluate(0, benchmarks)
+            warm_cache.store_step0_eval(c, out_dir, out)
+        return out
+
     def summary(self, history: list[dict[str, float]]) -> dict[str, float]:
         if not history:
             return {}
@@ -405,8 +612,8 @@ class _StepLoop:
         keys = ["reward/mean", "reward/acc", "tool/raw_error_rate", "rollback/global_recovery_rate"]
         lines = [f"  {k:32s} first step {first.get(k, float('nan')):+.3f}   last step {last.get(k, float('nan')):+.3f}"
                  for k in keys]
-        lines += [f"  {k:32s} {v:.3f}" for k, v in last.items() if k.startswith("eval/")]
-        print("\nrun summary (" + str(len(history)) + " steps):\n" + "\n".join(lines), flush=True)
+        if distributed.is_main():
+            print("\nrun summary (" + str(len(history)) + " steps):\n" + "\n".join(lines), flush=True)
         return last
 
 
@@ -420,13 +627,30 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: {err}") from None
     workdir = Path(flags.FLAGS.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"training in {workdir} (log: {log_to_file(workdir / 'train.log')})", flush=True)
+    dist = validate(config).distributed
+    process = dist.process_id if dist.mode == "explicit" else 0  # auto mode: known once joined
+    if process == 0:
+        print(f"training in {workdir} (log: {log_to_file(workdir / log_name(process))})", flush=True)
+    else:
+        log_to_file(workdir / log_name(process))
+    apply_xla_memory(config)  # before JAX starts its backend
+    try:  # the learner processes join before any device is touched
+        distributed.initialize(dist)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+    if jax.process_index() != process:
+        log_to_file(workdir / log_name(jax.process_index()))
+    try:
+        check_processes(validate(config), jax.process_count())  # auto mode: the count is known now
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
     use_compilation_cache(config)  # before anything compiles
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if distributed.is_main():
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     try:
         Trainer(config, workdir).run()
     except (NonFiniteTrainingError, WeightSyncFailedError, ContextBudgetError, RolloutUnavailableError,
-            LostEpisodesError) as err:  # say why the run stopped
+            LostEpisodesError, ConfigError) as err:  # say why the run stopped
         raise SystemExit(f"error: {err}") from err
 
 

@@ -24,7 +24,9 @@ from cleaner_jax.saar.config import SaarConfig
 from _configs import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if not p.stem.startswith("_"))
+# run configs; a *_study.py file is a study config (tests/test_study_config.py)
+CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py")
+                      if not p.stem.startswith("_") and not p.stem.endswith("_study"))
 
 
 def toy():
@@ -274,13 +276,13 @@ def _set(c, **values):
     (dict(saar__logprob_mode="rollout", rollout__temperature=0.7), r"config\.saar\.logprob_mode: rollout mode "
                                                                     r"re-scores .* needs rollout\.temperature=1\.0"),
     (dict(agent__use_tools=False), r"config\.saar\.enable: SAAR needs tools"),
-    (dict(reward__overlong_buffer=384), r"config\.reward\.overlong_buffer: 384 must be < "
-                                        r"agent\.max_response_tokens=384"),
+    (dict(reward__overlong_buffer=256), r"config\.reward\.overlong_buffer: 256 must be < "
+                                        r"agent\.max_response_tokens=256"),
     (dict(algo__advantage="rloo", algo__group_size=1, algo__micro_batch_size=4),
      r"config\.algo\.advantage: rloo needs algo\.group_size >= 2"),
-    (dict(algo__mini_batches_per_step=3), r"config\.algo\.mini_batches_per_step: 16 sequences per step do not split "
+    (dict(algo__mini_batches_per_step=3), r"config\.algo\.mini_batches_per_step: 32 sequences per step do not split "
                                           r"into 3 mini-batches"),
-    (dict(algo__micro_batch_size=3), r"config\.algo\.micro_batch_size: a mini-batch of 16 sequences does not split "
+    (dict(algo__micro_batch_size=3), r"config\.algo\.micro_batch_size: a mini-batch of 32 sequences does not split "
                                      r"into micro-batches of 3"),
     (dict(algo__loss="nll", algo__tis="token", saar__enable=False),
      r"config\.algo\.tis: truncated IS weights the ppo loss only; algo\.loss='nll' would ignore it"),

@@ -6,7 +6,10 @@ every sampling parameter explicitly, always asks for log-probs, reads only the s
 
 Routing: all turns of one trajectory go to the same server so its prefix cache hits
 (`client.session(key)` or `route_key=`); a new key goes to the server with the fewest requests
-in flight. A server that cannot be reached is retried with exponential back-off; for a
+in flight. The key also travels as sglang-router's `X-SMG-Routing-Key` header, so behind a
+router (`launch/router.sh`, policy `manual`) the router keeps the turns together the same way
+(it does not forward `/server_info` and the weight-sync calls, so the trainer takes the
+workers' URLs: docs/scaling.md, "Rollout fleets on several nodes"). A server that cannot be reached is retried with exponential back-off; for a
 connection failure or a timeout the next attempt may move the key to another server (only the
 cache is lost). After the last attempt a `RolloutServerError` names the server and the cause.
 
@@ -205,7 +208,8 @@ class SGLangClient:
             tried = target
             tried.in_flight += 1
             try:
-                request = self._get_session().request(method, tried.url + path, json=json_body, timeout=timeout)
+                request = self._get_session().request(method, tried.url + path, json=json_body, timeout=timeout,
+                                                      headers=routing_headers(route_key))
                 async with request as resp:
                     if resp.status == 400:
                         raise RolloutRequestError(f"{method} {tried.url}{path} → 400: {await resp.text()}")
@@ -213,7 +217,9 @@ class SGLangClient:
                         last_exc = RolloutServerError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
                         continue
                     if resp.status != 200:
-                        raise RolloutServerError(f"{method} {tried.url}{path} → HTTP {resp.status}: {(await resp.text())[:500]}")
+                        hint = ROUTER_404_HINT if resp.status == 404 else ""
+                        raise RolloutServerError(
+                            f"{method} {tried.url}{path} → HTTP {resp.status}: {(await resp.text())[:500]}{hint}")
                     return (await resp.json(content_type=None) if expect_json else await resp.text()), tried
             except _RETRYABLE as exc:
                 last_exc = exc
@@ -401,6 +407,35 @@ class SGLangClient:
             raise RolloutServerError(f"{url} failed to load {model_path}: {out.get('message')}")
         return out
 
+    async def release_memory_occupation(self, tags: list[str] | None = None,
+                                        urls: list[str] | None = None) -> dict[str, str]:
+        """`/release_memory_occupation` on each of `urls` (default: every server of this client),
+        one after the other: free the weights and KV memory (`tags` of "weights", "kv_cache";
+        None = all) so a colocated learner can use it. Each server must be idle (SGLang refuses,
+        or asserts, otherwise) and real SGLang needs `--enable-memory-saver` (docs/scaling.md,
+        "Colocated placement"). Returns each server's answer as text (for the log): its body
+        varies by SGLang release (`null` in 0.5.x), so only the status is checked."""
+        return await self._memory_occupation("/release_memory_occupation", tags, urls)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None,
+                                       urls: list[str] | None = None) -> dict[str, str]:
+        """`/resume_memory_occupation`: the inverse, on each of `urls` (default: all). Resume only
+        what was released: real SGLang's scheduler dies on a tag it did not release. Real SGLang
+        without `--enable-weights-cpu-backup` resumes the weights' memory, not their values:
+        load weights (`update_weights_from_disk`) before generating. Returns the answers."""
+        return await self._memory_occupation("/resume_memory_occupation", tags, urls)
+
+    async def _memory_occupation(self, path: str, tags: list[str] | None, urls: list[str] | None) -> dict[str, str]:
+        body = {} if tags is None else {"tags": list(tags)}
+        answers = {}
+        for server in [self._by_url(u) for u in urls] if urls is not None else self.servers:
+            try:
+                answers[server.url] = await self._request("POST", path, server=server, json_body=body,
+                                                          expect_json=False)
+            except RolloutRequestError as exc:
+                raise RolloutServerError(f"{server.url}{path} with tags {tags} was refused: {exc}") from exc
+        return answers
+
     async def abort(self, rid: str, url: str | None = None) -> None:
         for server in [self._by_url(url)] if url else self.servers:
             await self._request("POST", "/abort_request", server=server, json_body={"rid": rid}, expect_json=False)
@@ -440,6 +475,20 @@ class RoutedGenerate:
         pinned = self._pinned()
         return await self.client.score(input_ids, start, temperature, route_key=self.route_key,
                                        server=pinned.url if pinned is not None else None, lose_fast=pinned is not None)
+
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's key for its `manual` (sticky) policy
+ROUTER_404_HINT = (" (if this URL is an sglang-router: it forwards generation and /flush_cache but not "
+                   "/server_info or the weight-sync calls; give the trainer the workers' URLs in "
+                   "rollout.server_urls, docs/scaling.md, \"Rollout fleets on several nodes\")")
+
+
+def routing_headers(route_key: str | None) -> dict[str, str] | None:
+    """The trajectory's route key as sglang-router's routing-key header, so that behind a router
+    (`launch/router.sh`, `--policy manual`) every turn of a trajectory reaches the worker that
+    holds its prefix, as this client's own sticky map does across direct server URLs. SGLang and
+    our server ignore the header."""
+    return None if route_key is None else {ROUTING_KEY_HEADER: route_key}
 
 
 def to_gen_output(resp: dict[str, Any]) -> GenOutput:

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
-from cleaner_jax.rollout.engine import Engine
+from cleaner_jax.rollout.engine import Engine, MemoryReleasedError
 from cleaner_jax.rollout.request import GenRequest, SamplingParams, UnknownFieldError
 from cleaner_jax.rollout.scheduler import BatchScheduler
 from cleaner_jax.rollout.wire import (MAX_BODY_BYTES, BadRequest, error_response, format_result, json_errors_middleware,
@@ -48,6 +48,7 @@ class ServerState:
         self.tokenizer: Any = None
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
+        self.in_flight: dict[str, int] = {}  # rid -> prompt + max_new_tokens, of /generate items not answered yet
 
     def attach(self, engine: Engine, max_wait_s: float = 0.005) -> None:
         self.engine = engine
@@ -99,6 +100,8 @@ async def health(_: web.Request, state: ServerState) -> web.Response:
 
 @_ready
 async def health_generate(_: web.Request, state: ServerState) -> web.Response:
+    if state.engine.released:  # SGLang answers without generating while memory is released
+        return web.Response(status=200)
     req = GenRequest((0,), SamplingParams(max_new_tokens=1, temperature=0.0), f"health-{uuid.uuid4().hex}")
     await state.scheduler.generate(req)
     return web.Response(status=200)
@@ -115,14 +118,21 @@ async def generate(request: web.Request, state: ServerState) -> web.StreamRespon
         futures = [state.scheduler.submit(item.req) for item in items]
     except UnknownFieldError as exc:  # SGLang's contract-violation form: a bare string
         return web.json_response({"error": str(exc)}, status=400)
-    except ValueError as exc:
+    except (ValueError, MemoryReleasedError) as exc:
         return error_response(400, str(exc))
+    held = {item.req.rid: len(item.req.input_ids) + item.req.sampling.max_new_tokens for item in items}
+    state.in_flight.update(held)  # what /get_load reports
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    except MemoryReleasedError as exc:  # released between validation and the batch
+        return error_response(400, str(exc))
     except asyncio.CancelledError:  # client went away: abort, as SGLang does
         for item in items:
             state.scheduler.abort(item.req.rid)
         raise
+    finally:
+        for rid in held:
+            state.in_flight.pop(rid, None)
     latency = time.perf_counter() - t0
     want_prompt = bool(body.get("return_prompt_token_ids", False))
     outs = [format_result(i, r, state.tokenizer, latency, want_prompt) for i, r in zip(items, results)]
@@ -163,9 +173,22 @@ async def get_server_info(_: web.Request, state: ServerState) -> web.Response:
         **_model_info(eng), "version": SERVER_VERSION, "context_length": eng.context_length,
         "vocab_size": eng.vocab_size, "max_running_requests": eng.max_batch,
         "decode_chunk": eng.decode_chunk, "dtype": eng.dtype, "decode_backend": eng.decode_backend.name,
+        "enable_memory_saver": True,  # /release_memory_occupation works (SGLang needs the flag)
         "internal_states": [{"prefix_cache_entries": len(eng.prefix_cache),
-                             "prefix_cache_tokens": eng.prefix_cache.num_tokens}],
+                             "prefix_cache_tokens": eng.prefix_cache.num_tokens,
+                             "memory_released": list(eng.released), "memory_bytes": eng.memory_bytes()}],
     })
+
+
+@_ready
+async def get_load(_: web.Request, state: ServerState) -> web.Response:
+    """SGLang's `/get_load` (one entry per data-parallel rank; this server has one), what
+    sglang-router's `/get_loads` and its `power_of_two` policy read, `num_tokens` being the load
+    (measured on sglang-router 0.3.2). Here num_tokens is prompt + max_new_tokens summed over the
+    requests in flight (the most KV they can hold) and num_waiting_reqs those beyond one batch."""
+    reqs = len(state.in_flight)
+    return web.json_response([{"dp_rank": 0, "num_reqs": reqs, "num_waiting_reqs": max(0, reqs - state.engine.max_batch),
+                               "num_tokens": sum(state.in_flight.values())}])
 
 
 @_ready
@@ -202,6 +225,9 @@ async def update_weights_from_disk(request: web.Request, state: ServerState) -> 
     flush = body.get("flush_cache", True)
     if not isinstance(flush, bool):
         return _update_failed(f"flush_cache must be true or false, got {flush!r}")
+    if "weights" in state.engine.released:  # before reading the checkpoint onto the device
+        return _update_failed(f"cannot load {path}: the weights' memory is released (/release_memory_occupation); "
+                              "POST /resume_memory_occupation first")
     if body.get("abort_all_requests"):
         state.scheduler.abort_all()
     loop = asyncio.get_running_loop()
@@ -209,6 +235,8 @@ async def update_weights_from_disk(request: web.Request, state: ServerState) -> 
         await loop.run_in_executor(None, state.engine.update_weights_from_disk, path, version, flush)
     except (OSError, ValueError, KeyError, SafetensorError) as exc:  # a missing, broken or other-shaped directory
         return _update_failed(f"Failed to update weights from {path}: {type(exc).__name__}: {exc}")
+    except MemoryReleasedError as exc:
+        return _update_failed(str(exc))
     return web.json_response({
         "success": True, "num_paused_requests": 0,
         "message": "Succeeded to update model weights"
@@ -254,6 +282,36 @@ async def abort_request(request: web.Request, state: ServerState) -> web.Respons
     return web.Response(status=200)
 
 
+async def _memory_occupation(request: web.Request, state: ServerState, release: bool) -> web.Response:
+    """`{"tags": ["weights", "kv_cache"]}` (absent, null or [] = all) → 200 with what is released
+    now; 400 when the server is not idle (SGLang asserts it is), for a tag released twice or
+    resumed unreleased, or an unknown tag (docs/sglang_api.md §3.6)."""
+    body = await read_json_object(request, empty_ok=True)
+    tags = body.get("tags")
+    name = "release_memory_occupation" if release else "resume_memory_occupation"
+    if release and state.scheduler.num_pending:
+        return error_response(400, f"{name} should be called only when server is idle "
+                                   f"({state.scheduler.num_pending} requests running or queued)")
+    engine = state.engine
+    act = engine.release_memory if release else engine.resume_memory
+    try:
+        done = await asyncio.get_running_loop().run_in_executor(None, act, tags)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return web.json_response({"success": True, "message": f"{name}: {list(done)}",
+                              "tags": list(done), "released": list(engine.released)})
+
+
+@_ready
+async def release_memory_occupation(request: web.Request, state: ServerState) -> web.Response:
+    return await _memory_occupation(request, state, release=True)
+
+
+@_ready
+async def resume_memory_occupation(request: web.Request, state: ServerState) -> web.Response:
+    return await _memory_occupation(request, state, release=False)
+
+
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/health", health),
     ("GET", "/health_generate", health_generate),
@@ -263,6 +321,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/get_model_info", get_model_info),
     ("GET", "/server_info", get_server_info),
     ("GET", "/get_server_info", get_server_info),
+    ("GET", "/get_load", get_load),
     ("GET", "/v1/models", v1_models),
     ("GET", "/flush_cache", flush_cache),
     ("POST", "/flush_cache", flush_cache),
@@ -271,6 +330,8 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/pause_generation", pause_generation),
     ("POST", "/continue_generation", continue_generation),
     ("POST", "/abort_request", abort_request),
+    ("POST", "/release_memory_occupation", release_memory_occupation),
+    ("POST", "/resume_memory_occupation", resume_memory_occupation),
 )
 
 
