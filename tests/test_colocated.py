@@ -321,6 +321,7 @@ def test_colocated_trainer_refuses_a_server_without_memory_saver():
 # ----------------------------------------------------------------------------- a toy run
 
 
+@pytest.mark.slow  # a whole toy run (~1.5 min); the release/resume tests above are the default-suite checks
 def test_colocated_toy_run_completes_and_logs_release_resume_times(tmp_path):
     """`python -m cleaner_jax.train` with rollout.colocated=True: the step releases the embedded
     server's memory after its rollouts and resumes it before the weight sync, whose probe then

@@ -56,7 +56,7 @@ def test_user_files_load_for_train_and_evaluate(user_files):
     validate(c)
     got = wiring.eval_benchmarks(c)  # what train.py and evaluate.py both call at start-up
     assert list(got) == ["toy", "aime24", "gpqa_diamond", "livecodebench"]
-    assert [len(v) for v in got.values()] == [16, 16, 1, 1]
+    assert [len(v) for v in got.values()] == [128, 30, 1, 1]  # eval_limit 128 of configs/toy.py; AIME 2024 has 30
     assert (got["gpqa_diamond"][0].kind, got["gpqa_diamond"][0].ground_truth) == ("choice", "B")
     assert (got["livecodebench"][0].uid, got["livecodebench"][0].kind) == ("abc001_a", "code")
 

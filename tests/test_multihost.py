@@ -235,7 +235,9 @@ def _compare_metrics(two: dict, one: dict, where: str) -> None:
 
 # length bucketing (the run config's default, algo.bucket_widths=pow2) in the default suite; the
 # padded path (bucketing off: one jitted scan over the whole mini-batch) as a slow variant
-@pytest.mark.parametrize("widths", ["32,64", pytest.param("", marks=pytest.mark.slow)])
+# slow: tests/test_multihost_train.py checks the same equality through the whole trainer in the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("widths", ["32,64", ""])
 def test_two_processes_equal_one_process(tmp_path, widths):
     from cleaner_jax.rollout.fleet import free_loopback_port
     from cleaner_jax.toy.checkpoint import make_tiny_checkpoint

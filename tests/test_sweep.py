@@ -61,6 +61,7 @@ def tiny_sweep(tmp_path_factory) -> Path:
     return workdir
 
 
+@pytest.mark.slow  # a real training run (~70 s); --print and the key checks below run by default
 def test_a_point_is_a_run_with_its_values(tiny_sweep):
     run = tiny_sweep / "gamma=0.3_max_retries=2"  # run_name: the last part of each key = value, joined by _
     assert [p.name for p in tiny_sweep.iterdir()] == [run.name]
