@@ -23,14 +23,13 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from test_train_toy import kill_trainer  # the trainer tests' helper: group, then escaped descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_TIMEOUT_S = 3600  # the study (4 runs, one of them killed and continued) and the test that waits for it
@@ -91,30 +90,6 @@ class SmallStudy:
         return {**os.environ, "PYTHONPATH": str(self.source)}
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every living descendant of `pid` (children that left its process group too)."""
-    try:
-        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:  # already reaped: its children, if any, were re-parented
-        return []
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the study's process group and every descendant that left it (the embedded rollout
-    server runs in its own session); all of them were started by this fixture."""
-    escaped = [p for p in _descendants(proc.pid)]
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    for p in escaped:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def snapshot(root: Path) -> Path:
     """A copy of the package and the configs under `root/src`."""
     src = root / "src"
@@ -132,7 +107,7 @@ def run_to_end(cmd, cwd: Path, env: dict[str, str], log: Path, timeout_s: float)
         return proc.wait(timeout=timeout_s)
     finally:
         if proc.poll() is None:
-            kill_tree(proc)
+            kill_trainer(proc)  # the study and its runs; their rollout servers left the group
 
 
 def run_small_study(root: Path) -> SmallStudy:
@@ -160,7 +135,7 @@ def run_small_study(root: Path) -> SmallStudy:
         done_text = (first / "DONE").read_text()
         killed_at = len([p for p in (second / "checkpoints").iterdir() if p.name.isdigit()])
     finally:
-        kill_tree(proc)
+        kill_trainer(proc)  # the study and its runs; their rollout servers left the group
     console = root / "study_console_2.log"
     rc = run_to_end(cmd, src, env, console, 1800)
     assert rc == 0, console.read_text()[-5000:]
