@@ -28,7 +28,8 @@ def get_config():
     c.baseline = "grpo_raw"
     c.benchmark = "toy"
     c.parallel = 1  # measured on the 2-core box: docs/study.md
-    c.run.train = ConfigDict({"eval_before_train": True})  # accuracy before RL, shared by the arms of a seed
+    # accuracy before RL (shared by the arms of a seed) and a held-out point every 8 RL steps
+    c.run.train = ConfigDict({"eval_before_train": True, "eval_every": 8})
     c.arms.grpo_raw = ConfigDict({"saar": {"enable": False}})
     c.arms.cleaner = ConfigDict()
     c.arms.supervised = ConfigDict({"algo": {"loss": "nll", "nll_sequences": "correct"}})
