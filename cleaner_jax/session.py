@@ -8,14 +8,19 @@
 Construction is in two phases because the trainer needs the chat format and the sandbox
 (for the warm start) before it knows which weights the rollout server must serve. Everything
 is closed in reverse order on exit, on error too. Also here: the start-up helpers that only the
-entry points need (the model directory of a run, the device mesh, the rollout backend).
+entry points need (the model directory of a run, the XLA memory settings and compilation cache,
+the device mesh, the rollout backend, where exports go and what a resumed run removes first).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import os
+import re
+import shutil
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -30,7 +35,7 @@ from cleaner_jax.agent.collect import Collector
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.config import check_mesh, sandbox_warning, validate
-from cleaner_jax.models import sharding
+from cleaner_jax.models import compile_cache, sharding
 from cleaner_jax.models.params import commit_dir, partial_dir
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rollout.client import SGLangClient
@@ -39,6 +44,7 @@ from cleaner_jax.rollout.weight_sync import check_context_budget
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.toy.vocabulary import TOY_VOCAB_SIZE, toy_corpus
+from cleaner_jax.viz import dumps
 from cleaner_jax.wiring import agent_config, scorer_options
 
 log = logging.getLogger(__name__)
@@ -155,11 +161,77 @@ def use_compilation_cache(config: ml_collections.ConfigDict) -> Path | None:
     first uses the cache. None leaves the cache off. Returns the directory."""
     if config.train.compilation_cache_dir is None:
         return None
-    path = Path(config.train.compilation_cache_dir).expanduser().resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    path = compile_cache.enable(config.train.compilation_cache_dir)
     log.info("persistent compilation cache: %s", path)
     return path
+
+
+# The XLA client's memory settings (read by jaxlib when the GPU backend starts) and the config key
+# that sets each; the embedded rollout server, a child process, inherits them.
+XLA_MEMORY_ENV = {"XLA_CLIENT_MEM_FRACTION": "train.xla_mem_fraction",
+                  "XLA_PYTHON_CLIENT_PREALLOCATE": "train.xla_preallocate",
+                  "XLA_PYTHON_CLIENT_ALLOCATOR": "train.xla_allocator"}
+DEPRECATED_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # jaxlib refuses it together with the new name
+
+
+def xla_memory_env(c: ml_collections.ConfigDict) -> dict[str, str | None]:
+    """The XLA memory variables the config asks for; None: unset (JAX's default)."""
+    t = c.train
+    return {"XLA_CLIENT_MEM_FRACTION": None if t.xla_mem_fraction is None else repr(float(t.xla_mem_fraction)),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": None if t.xla_preallocate else "false",
+            "XLA_PYTHON_CLIENT_ALLOCATOR": None if t.xla_allocator == "default" else t.xla_allocator}
+
+
+def apply_xla_memory(c: ml_collections.ConfigDict) -> None:
+    """Set the XLA memory variables from the config, before JAX starts its backend (they are
+    read once, then). They are the config's, never a user switch: a value found in the
+    environment is replaced (or removed), with a warning naming the key to use instead."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("apply_xla_memory: the JAX backend is already initialised, so train.xla_mem_fraction, "
+                           "train.xla_preallocate and train.xla_allocator could not take effect; call it first")
+    found = os.environ.pop(DEPRECATED_MEM_FRACTION, None)
+    if found is not None:
+        log.warning("ignored %s=%s from the environment: set train.xla_mem_fraction instead", DEPRECATED_MEM_FRACTION,
+                    found)
+    for name, value in xla_memory_env(c).items():
+        old = os.environ.get(name)
+        if old is not None and old != value:
+            log.warning("replaced %s=%s from the environment by the config's (%s): set %s instead", name, old,
+                        value, XLA_MEMORY_ENV[name])
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def export_root(workdir: Path, export_dir: str | None) -> Path:
+    """Where a run's weight exports go: <workdir>/sync, or the run's own sub-directory of
+    `train.weight_export_dir` (e.g. /dev/shm, which other runs may share: each run removes only
+    its own old exports)."""
+    if export_dir is None:
+        return workdir / "sync"
+    tag = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:8]
+    return Path(export_dir).resolve() / f"cleaner_jax-{workdir.name}-{tag}"
+
+
+def discard_after(workdir: Path, exports: Path, step: int) -> None:
+    """Remove what a killed run wrote for the steps after checkpoint `step` (-1: no checkpoint, all
+    of it): trajectory dumps, weight exports (and exports it left half-written), evaluations.
+    The resumed run trains those steps again and writes them afresh (docs/reliability.md, row 3;
+    the metrics are truncated by `MetricsWriter(keep_through=step)`)."""
+    removed = [p.name for p in dumps.discard_after(workdir, step)]
+    for root in (exports, workdir / "eval"):
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            m = re.fullmatch(r"step_(\d+)", d.name)
+            # .step_N.partial / .replaced: an export killed inside `params.commit_dir`'s write or swap
+            if (m and int(m.group(1)) > step) or (root == exports and d.name.startswith(".step_")):
+                shutil.rmtree(d)
+                removed.append(f"{root.name}/{d.name}")
+    if removed:
+        log.info("resume after step %d: removed what the killed run wrote for later steps: %s", step,
+                 ", ".join(removed))
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
@@ -206,7 +278,8 @@ def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_si
         log.info("process 0's embedded rollout server at %s", url)
         yield RolloutFleet(SGLangClient([url], **opts), server_wait_s=ro.server_wait_s)
         return
-    server = EmbeddedServerProcess(model_dir, dtype=config.model.compute_dtype, decode_backend=ro.decode_backend)
+    server = EmbeddedServerProcess(model_dir, dtype=config.model.compute_dtype, decode_backend=ro.decode_backend,
+                                   compilation_cache_dir=config.train.compilation_cache_dir)
     try:
         server.start()
         server.wait_ready_blocking(ro.server_wait_s)

@@ -32,10 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import logging
-import os
-import re
 import shutil
 import sys
 import time
@@ -66,13 +63,13 @@ from cleaner_jax.rl.step import rl_step_with_old_logprobs, valid_rows
 from cleaner_jax.rollout.client import RolloutServerError
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.rollout.weight_sync import (ContextBudgetError, SyncReport, WeightSyncError, export_checkpoint,
-                                             sync_weights)
-from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir, use_compilation_cache
+                                             fixed_reference, sync_weights)
+from cleaner_jax.session import (Session, apply_xla_memory, discard_after, export_root, log_to_file, make_mesh,
+                                  prepare_model_dir, use_compilation_cache)
 from cleaner_jax.toy import task as toy_task
 from cleaner_jax.toy import warm_cache
 from cleaner_jax.toy.warm_start import warm_start
 from cleaner_jax.trajectory import ScoredEpisode
-from cleaner_jax.viz import dumps
 from cleaner_jax.viz.dumps import step_advantages, token_pieces, write_step
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
 from cleaner_jax.viz.run_plots import plot_run, run_summary
@@ -113,67 +110,6 @@ class NonFiniteTrainingError(RuntimeError):
     """Too many optimizer updates in a row had a non-finite loss or gradient."""
 
 
-def export_root(workdir: Path, export_dir: str | None) -> Path:
-    """Where a run's weight exports go: <workdir>/sync, or the run's own sub-directory of
-    `train.weight_export_dir` (e.g. /dev/shm, which other runs may share: each run removes only
-    its own old exports)."""
-    if export_dir is None:
-        return workdir / "sync"
-    tag = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:8]
-    return Path(export_dir).resolve() / f"cleaner_jax-{workdir.name}-{tag}"
-
-
-# The XLA client's memory settings (read by jaxlib when the GPU backend starts) and the config key
-# that sets each; the embedded rollout server, a child process, inherits them.
-XLA_MEMORY_ENV = {"XLA_CLIENT_MEM_FRACTION": "train.xla_mem_fraction",
-                  "XLA_PYTHON_CLIENT_PREALLOCATE": "train.xla_preallocate",
-                  "XLA_PYTHON_CLIENT_ALLOCATOR": "train.xla_allocator"}
-DEPRECATED_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # jaxlib refuses it together with the new name
-
-
-def xla_memory_env(c: ml_collections.ConfigDict) -> dict[str, str | None]:
-    """The XLA memory variables the config asks for; None: unset (JAX's default)."""
-    t = c.train
-    return {"XLA_CLIENT_MEM_FRACTION": None if t.xla_mem_fraction is None else repr(float(t.xla_mem_fraction)),
-            "XLA_PYTHON_CLIENT_PREALLOCATE": None if t.xla_preallocate else "false",
-            "XLA_PYTHON_CLIENT_ALLOCATOR": None if t.xla_allocator == "default" else t.xla_allocator}
-
-
-def apply_xla_memory(c: ml_collections.ConfigDict) -> None:
-    """Set the XLA memory variables from the config, before JAX starts its backend (they are
-    read once, then). They are the config's, never a user switch: a value found in the
-    environment is replaced (or removed), with a warning naming the key to use instead."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError("apply_xla_memory: the JAX backend is already initialised, so train.xla_mem_fraction, "
-                           "train.xla_preallocate and train.xla_allocator could not take effect; call it first")
-    found = os.environ.pop(DEPRECATED_MEM_FRACTION, None)
-    if found is not None:
-        log.warning("ignored %s=%s from the environment: set train.xla_mem_fraction instead", DEPRECATED_MEM_FRACTION,
-                    found)
-    for name, value in xla_memory_env(c).items():
-        old = os.environ.get(name)
-        if old is not None and old != value:
-            log.warning("replaced %s=%s from the environment by the config's (%s): set %s instead", name, old,
-                        value, XLA_MEMORY_ENV[name])
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-def fixed_reference(probe_ids: list[int], start: int, ref: list[float]) -> Callable[[list[int], int], list[float]]:
-    """`sync_weights`' learner_logprobs for the one probe sequence, computed beforehand: with
-    several learner processes the learner's log-probs are collective, and a probe (or a server's
-    re-admission by the fleet) runs on one process."""
-    def learner_logprobs(ids: list[int], at: int) -> list[float]:
-        if list(ids) != list(probe_ids) or at != start:
-            raise ValueError("fixed_reference: asked for another sequence than the weight-sync probe's")
-        return ref
-    return learner_logprobs
-
-
 class WeightSyncFailedError(RuntimeError):
     """The weight sync failed (`WeightSyncError`, or non-finite weights refused by the export); the
     learner state is checkpointed and no rollout ran on unverified weights."""
@@ -205,24 +141,6 @@ def stop_if_stuck(learner: Learner, limit: int, step: int, extra_state: dict[str
         f"checkpoint {step} is written. Episodes of the last skipped updates: {last or 'unknown'} (with "
         f"train.dump_trajectories they are in trajectories/step_{step:06d}.jsonl.gz). Lower optim.lr, tighten "
         "optim.grad_clip or train with model.compute_dtype=bfloat16, then resume.")
-
-
-def discard_after(workdir: Path, exports: Path, step: int) -> None:
-    """Remove what a killed run wrote for the steps after checkpoint `step` (-1: no checkpoint, all
-    of it): trajectory dumps, weight exports (and exports it left half-written), evaluations.
-    The resumed run trains those steps again and writes them afresh (docs/reliability.md, row 3;
-    the metrics are truncated by `MetricsWriter(keep_through=step)`)."""
-    removed = [p.name for p in dumps.discard_after(workdir, step)]
-    for root in (exports, workdir / "eval"):
-        for d in sorted(root.iterdir()) if root.is_dir() else []:
-            m = re.fullmatch(r"step_(\d+)", d.name)
-            # .step_N.partial / .replaced: an export killed inside `params.commit_dir`'s write or swap
-            if (m and int(m.group(1)) > step) or (root == exports and d.name.startswith(".step_")):
-                shutil.rmtree(d)
-                removed.append(f"{root.name}/{d.name}")
-    if removed:
-        log.info("resume after step %d: removed what the killed run wrote for later steps: %s", step,
-                 ", ".join(removed))
 
 
 class Trainer:

@@ -28,7 +28,7 @@ from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.rollout.client import RolloutServerError, SGLangClient
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.server import start_server_in_thread
-from cleaner_jax.train import XLA_MEMORY_ENV, apply_xla_memory, xla_memory_env
+from cleaner_jax.session import XLA_MEMORY_ENV, apply_xla_memory, xla_memory_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
@@ -240,7 +240,7 @@ def test_main_sets_the_xla_environment_before_jax_starts():
     """In a fresh interpreter, as train's main does: the values jaxlib will read come from the
     config, and a user's own variable is replaced, not obeyed."""
     code = ("import os, sys; sys.path.insert(0, 'tests'); from _configs import load_config;"
-            "from cleaner_jax.train import apply_xla_memory; c = load_config('toy');"
+            "from cleaner_jax.session import apply_xla_memory; c = load_config('toy');"
             "c.train.xla_mem_fraction = 0.3; apply_xla_memory(c);"
             "import jax; jax.devices();"
             "print({k: os.environ.get(k) for k in ('XLA_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION',"

@@ -29,6 +29,7 @@ BASE = key()
     ("saar.enable", False), ("saar.splice_correction", "tis"), ("saar.gamma", 0.3), ("algo.loss", "nll"),
     ("algo.group_size", 8), ("algo.advantage", "rloo"), ("optim.lr", 3e-5), ("optim.warmup_steps", 7),
     ("train.steps", 3), ("train.eval_every", 1), ("warmup_sft.cache_dir", "/somewhere/else"),
+    ("train.compilation_cache_dir", "/somewhere/xla"),
     ("rollout.temperature", 0.7), ("sandbox.workers", 3),
 ])
 def test_keys_the_warm_start_does_not_read_keep_the_key(path, value):

@@ -20,7 +20,7 @@ def test_toy_study_arms_and_their_run_configs(tmp_path):
     assert study.seeds == (0, 1, 2, 3, 4)
     assert {a.name for a in study.arms} == {"grpo_raw", "cleaner", "supervised", "cleaner_splice_corr"}
     toy = validate(load_config("toy"))
-    runs = {a.name: validate(study.run_config(a, 3, tmp_path / "cache")) for a in study.arms}
+    runs = {a.name: validate(study.run_config(a, 3, tmp_path)) for a in study.arms}
     assert not runs["grpo_raw"].saar.enable
     assert runs["cleaner"].saar == toy.saar and runs["cleaner"].algo == toy.algo  # the toy defaults
     assert runs["supervised"].algo.loss == "nll" and runs["supervised"].algo.nll_sequences == "correct"
@@ -28,7 +28,8 @@ def test_toy_study_arms_and_their_run_configs(tmp_path):
     assert runs["cleaner_splice_corr"].saar.enable and runs["cleaner_splice_corr"].algo.loss == toy.algo.loss
     for r in runs.values():
         assert r.train.seed == 3 and r.train.eval_before_train
-        assert r.warmup_sft.cache_dir == str(tmp_path / "cache")
+        assert r.warmup_sft.cache_dir == str(tmp_path / "warm_cache")
+        assert r.train.compilation_cache_dir == str(tmp_path / "xla_cache")
         assert r.model == toy.model and r.warmup_sft.steps == toy.warmup_sft.steps
 
 
@@ -46,7 +47,7 @@ def test_train_command_round_trips_through_the_train_flags(tmp_path):
     flags.DEFINE_string("workdir", None, "", flag_values=fv)
     fv(argv)
     parsed = validate(fv.config)
-    assert parsed == validate(study.run_config(arm, 2, tmp_path / "warm_cache"))
+    assert parsed == validate(study.run_config(arm, 2, tmp_path))
     assert fv.workdir == str(tmp_path / "runs" / "supervised" / "seed_2")
     assert cmd[:3] == (sys.executable, "-m", "cleaner_jax.train")
 
@@ -74,6 +75,8 @@ def _study(**top) -> ConfigDict:
     (lambda c: c.run.__setitem__("train", ConfigDict({"seed": 3})), "config.run.train.seed"),
     (lambda c: c.arms.cleaner.__setitem__("warmup_sft", ConfigDict({"cache_dir": "/tmp/x"})),
      "config.arms.cleaner.warmup_sft.cache_dir"),
+    (lambda c: c.run.__setitem__("train", ConfigDict({"compilation_cache_dir": "/tmp/x"})),
+     "config.run.train.compilation_cache_dir"),
     (lambda c: c.arms.cleaner.__setitem__("model", ConfigDict({"path": None})), "config.arms.cleaner.model.path"),
     (lambda c: c.arms.__setitem__("Bad-Name", ConfigDict()), "config.arms.Bad-Name"),
     # the arm's run config itself is rejected by the run schema: named with the arm and the run key

@@ -326,7 +326,7 @@ def test_the_export_and_sync_keys_are_checked(key, value, match):
 
 
 def test_export_root_is_the_workdir_or_a_run_own_subdirectory(tmp_path):
-    from cleaner_jax.train import export_root
+    from cleaner_jax.session import export_root
 
     a, b = tmp_path / "runs" / "a", tmp_path / "other" / "a"
     assert export_root(a, None) == a / "sync"

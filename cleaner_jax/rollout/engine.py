@@ -10,29 +10,26 @@ One call of `Engine.generate_batch` runs a batch of requests of different length
 4. every row's KV (prompt + output[:-1]) goes back into the prefix cache.
 
 Shapes are padded to power-of-two buckets (batch, prompt, cache) so XLA compiles rarely.
-Both programs run the model with the engine's decode backend as its `ops` (`decode_backend.py`:
-`"auto"`, `"xla"` or `"cpu_kernels"`, chosen by the constructor and closed over by the jitted
-programs). Sampling semantics are SGLang's (see sampling.py and docs/sglang_api.md §1.3, §3.3).
+The jitted programs are in `programs.py`; both run the model with the engine's decode backend as
+its `ops` (`decode_backend.py`: `"auto"`, `"xla"` or `"cpu_kernels"`, chosen by the constructor
+and closed over by the programs). Sampling semantics are SGLang's (see sampling.py and docs/sglang_api.md §1.3, §3.3).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from cleaner_jax.models import qwen
 from cleaner_jax.models.ops import Ops
-from cleaner_jax.rl.logprobs import token_logprobs_from_logits
 from cleaner_jax.rollout import decode_backend as backends
-from cleaner_jax.rollout import sampling
+from cleaner_jax.rollout import programs
 from cleaner_jax.rollout.prefix_cache import PrefixCache
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 
@@ -79,24 +76,6 @@ def read_default_sampling(model_path: str | Path) -> SamplingParams:
     return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
 
 
-class RowParams(NamedTuple):
-    temperature: jax.Array  # [B] float32, 0 = greedy
-    top_p: jax.Array  # [B] float32
-    top_k: jax.Array  # [B] int32, <= 0 = all
-    min_p: jax.Array  # [B] float32
-    max_new: jax.Array  # [B] int32
-    stop_ids: jax.Array  # [B, M] int32, -1 = unused
-    prompt_temp: jax.Array  # [B] float32 temperature of prompt log-probs, 0 = raw (SGLang)
-
-
-class DecodeState(NamedTuple):
-    cache: qwen.KVCache
-    last: jax.Array  # [B] int32: latest sampled token, not yet in the cache
-    done: jax.Array  # [B] bool
-    count: jax.Array  # [B] int32: tokens generated so far
-    keys: jax.Array  # [B] PRNG keys, one stream per row
-
-
 @dataclasses.dataclass
 class _Batch:
     """One padded batch as the jitted programs take it, with what the results need back."""
@@ -104,7 +83,7 @@ class _Batch:
     reqs: list[GenRequest]
     tokens: np.ndarray  # [B, T] int32 uncached prompt tails, right-padded
     mask: np.ndarray  # [B, T] int32
-    params: RowParams
+    params: programs.RowParams
     seeds: np.ndarray  # [B] uint32
     cached: np.ndarray  # [B] int32 prompt tokens taken from the prefix cache
     entries: list[Any]  # per request: its prefix-cache entry, or None
@@ -113,10 +92,6 @@ class _Batch:
     @property
     def width(self) -> int:
         return self.tokens.shape[0]
-
-
-def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    return jnp.any(tokens[:, None] == stop_ids, axis=-1)  # [B]
 
 
 class Engine:
@@ -166,14 +141,14 @@ class Engine:
         self._seeds = np.random.default_rng(seed)
         graphdef, ops = self._graphdef, self.decode_backend
         self._prefill = jax.jit(
-            lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: _prefill(
+            lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: programs.prefill(
                 graphdef, ops, state, cache, tokens, mask, params, seeds, want_prompt_lp
             ),
             static_argnums=(6,),
             donate_argnums=(1,),  # the fresh batch cache: prefill writes it in place
         )
         self._decode = jax.jit(
-            lambda state, ds, params, chunk: _decode(graphdef, ops, state, ds, params, chunk),
+            lambda state, ds, params, chunk: programs.decode(graphdef, ops, state, ds, params, chunk),
             static_argnums=(3,),
             donate_argnums=(1,),
         )
@@ -416,21 +391,21 @@ class Engine:
                 seeds[i] = sp.sampling_seed % (2**32)
         mask[n_req:, 0] = 1  # padding rows: one dummy token, nothing generated
         # NumPy inputs go to the jitted programs as they are: one transfer each, no eager ops.
-        params = RowParams(temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)
+        params = programs.RowParams(temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)
         return _Batch(list(reqs), tokens, mask, params, seeds, cached, entries, s_len)
 
     def _batch_cache(self, batch: _Batch) -> qwen.KVCache:
         """A fresh batch KV cache holding each row's reused prefix."""
-        cache = _init_cache(self.config, batch.width, batch.cache_len)
+        cache = programs.init_cache(self.config, batch.width, batch.cache_len)
         k, v = cache.k, cache.v
         for i, entry in enumerate(batch.entries):
             if entry is not None:
-                k, v = _write_row(k, v, entry.k, entry.v, np.int32(i))
+                k, v = programs.write_row(k, v, entry.k, entry.v, np.int32(i))
         return qwen.KVCache(k, v, batch.cached)
 
     def _decode_until_done(
-        self, ds: DecodeState, done: np.ndarray, batch: _Batch, out_ids: list[list[int]], out_lps: list[list[float]]
-    ) -> tuple[DecodeState, set[str]]:
+        self, ds: programs.DecodeState, done: np.ndarray, batch: _Batch, out_ids: list[list[int]], out_lps: list[list[float]]
+    ) -> tuple[programs.DecodeState, set[str]]:
         """Decode chunk by chunk until every row stops (`done` [B]: ds.done on the host),
         appending to out_ids / out_lps; aborts are applied between chunks. Returns the final
         state and the aborted rids."""
@@ -441,7 +416,7 @@ class Engine:
             aborted |= self._take_aborted(rids)
             if aborted:
                 abort_rows = np.array([r in aborted for r in rids] + [False] * (batch.width - n_req))
-                ds = ds._replace(done=_or(ds.done, abort_rows))
+                ds = ds._replace(done=programs.logical_or(ds.done, abort_rows))
             ds, chunk_tok, chunk_lp, steps = self._decode(self._state, ds, batch.params, self.decode_chunk)
             chunk_tok, chunk_lp, steps, done = jax.device_get((chunk_tok, chunk_lp, steps, ds.done))
             for i in range(n_req):
@@ -480,7 +455,7 @@ class Engine:
         for i, req in enumerate(batch.reqs):
             kv_tokens = np.asarray(list(req.input_ids) + out_ids[i], np.int32)[: int(lengths[i])]
             if len(kv_tokens) > 0:
-                ek, ev = _read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
+                ek, ev = programs.read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)
 
 
@@ -494,96 +469,3 @@ def _check_tags(tags: list[str] | None) -> list[str]:
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}; this server has {list(MEMORY_TAGS)}")
     return list(dict.fromkeys(tags))
-
-
-# ------------------------------------------------------------------ jitted programs
-
-
-def _prefill(graphdef, ops: Ops, state, cache, tokens, mask, params: RowParams, seeds, want_prompt_lp: bool):
-    """Forward the uncached prompt tails [B, T] and sample each row's first token."""
-    model = nnx.merge(graphdef, state)
-    b = tokens.shape[0]
-    h, cache = model.hidden_states(tokens, attention_mask=mask, cache=cache, ops=ops)  # [B, T, H]
-    last_pos = mask.sum(-1) - 1  # [B]
-    # Logits of the last real token only, unless prompt log-probs are wanted: the full [B, T, V]
-    # is a quarter of a 5M model's prefill FLOPs, and 1.2 GB per 2k-token row at Qwen's vocab.
-    if want_prompt_lp:
-        logits = model.logits(h, ops)  # [B, T, V]
-        last = logits[jnp.arange(b), last_pos]  # [B, V]
-    else:
-        last = model.logits(h[jnp.arange(b), last_pos], ops)  # [B, V]
-    keys = jax.vmap(jax.random.key)(seeds)
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
-    tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)
-    count = (params.max_new > 0).astype(jnp.int32)
-    done = (params.max_new <= 1) | _is_stop(tok, params.stop_ids)
-    # SGLang's prompt log-probs are untempered whatever the request's temperature (prompt_temp 0).
-    prompt_lp = None  # [B, T] position-aligned: entry t scores tokens[:, t]
-    if want_prompt_lp:
-        prompt_lp = token_logprobs_from_logits(logits, tokens, jnp.where(params.prompt_temp > 0, params.prompt_temp, 1.0))
-    return DecodeState(cache, tok, done, count, keys), lp, prompt_lp
-
-
-def _decode(graphdef, ops: Ops, state, ds: DecodeState, params: RowParams, chunk: int):
-    """Up to `chunk` decode steps in one while_loop; finished rows emit -1 and stay frozen."""
-    model = nnx.merge(graphdef, state)
-    b = ds.last.shape[0]
-
-    def cond(carry):
-        i, st, _, _ = carry
-        return (i < chunk) & ~jnp.all(st.done)
-
-    def body(carry):
-        i, st, out_tok, out_lp = carry
-        active = ~st.done
-        logits, cache = model(
-            st.last[:, None], attention_mask=active[:, None].astype(jnp.int32), cache=st.cache, ops=ops
-        )  # [B, 1, V]
-        step_keys = jax.vmap(jax.random.fold_in)(st.keys, st.count)
-        tok, lp = sampling.sample_tokens(
-            step_keys, logits[:, 0], params.temperature, params.top_p, params.top_k, params.min_p
-        )
-        count = st.count + active.astype(jnp.int32)
-        done = st.done | (active & (_is_stop(tok, params.stop_ids) | (count >= params.max_new)))
-        out_tok = out_tok.at[:, i].set(jnp.where(active, tok, -1))
-        out_lp = out_lp.at[:, i].set(jnp.where(active, lp, 0.0))
-        last = jnp.where(active, tok, st.last)
-        return i + 1, DecodeState(cache, last, done, count, st.keys), out_tok, out_lp
-
-    init = (jnp.int32(0), ds, jnp.full((b, chunk), -1, jnp.int32), jnp.zeros((b, chunk), jnp.float32))
-    steps, ds, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return ds, out_tok, out_lp, steps
-
-
-_init_cache = jax.jit(qwen.init_cache, static_argnums=(0, 1, 2))
-_or = jax.jit(jnp.logical_or)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_row(cache_k, cache_v, entry_k, entry_v, row):
-    """Copy a prefix-cache entry [L, KV, P, hd] into batch row `row` of a `qwen.KVCache`'s
-    per-layer k, v [B, KV, S, hd] (donated: updated in place)."""
-    n = min(entry_k.shape[2], cache_k[0].shape[2])
-
-    def write(cache, entry):
-        return tuple(
-            jax.lax.dynamic_update_slice(c, entry[i, :, :n][None].astype(c.dtype), (row, 0, 0, 0))
-            for i, c in enumerate(cache)
-        )
-
-    return write(cache_k, entry_k), write(cache_v, entry_v)
-
-
-def _read_row(cache_k, cache_v, row, size: int):
-    size = min(size, cache_k[0].shape[2])
-    return _read_row_jit(cache_k, cache_v, row, size)
-
-
-@functools.partial(jax.jit, static_argnums=(3,))
-def _read_row_jit(cache_k, cache_v, row, size: int):
-    """Row `row`'s first `size` slots as prefix-cache entries k, v [L, KV, size, hd]."""
-
-    def read(cache):
-        return jnp.stack([jax.lax.dynamic_index_in_dim(c, row, axis=0, keepdims=False)[:, :size] for c in cache])
-
-    return read(cache_k), read(cache_v)

@@ -72,10 +72,12 @@ class EmbeddedServerProcess:
     Its output goes to an unlinked temporary file (nothing is left behind, whatever happens);
     when the server dies, the tail of that output is logged with the restart (the post-mortem)."""
 
-    def __init__(self, model_path: str | Path, *, dtype: str, decode_backend: str, port: int | None = None) -> None:
+    def __init__(self, model_path: str | Path, *, dtype: str, decode_backend: str, port: int | None = None,
+                 compilation_cache_dir: str | Path | None = None) -> None:
         self.model_path = str(model_path)
         self.dtype = dtype
         self.decode_backend = decode_backend
+        self.compilation_cache_dir = compilation_cache_dir  # the trainer's (train.compilation_cache_dir)
         self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -91,6 +93,8 @@ class EmbeddedServerProcess:
         cmd = [sys.executable, "-m", "cleaner_jax.rollout.server", "--model-path", self.model_path,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
                "--decode-backend", self.decode_backend, "--exit-with-parent", str(os.getpid())]
+        if self.compilation_cache_dir is not None:
+            cmd += ["--compilation-cache-dir", str(self.compilation_cache_dir)]
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         self.starts += 1

@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from safetensors import SafetensorError
 
+from cleaner_jax.models import compile_cache
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
 from cleaner_jax.rollout.engine import Engine, MemoryReleasedError
@@ -462,8 +463,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="exit as soon as process PID is no longer this server's parent (the trainer that "
                              "started it as its embedded server died, even by SIGKILL)")
+    parser.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                        help="JAX's persistent compilation cache (cleaner_jax/models/compile_cache.py): a "
+                             "restarted server, or another run's, loads the programs compiled before")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.compilation_cache_dir is not None:
+        log.info("persistent compilation cache: %s", compile_cache.enable(args.compilation_cache_dir))
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
     handle = start_server_in_thread(

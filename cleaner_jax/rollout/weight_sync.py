@@ -356,3 +356,14 @@ async def export_and_sync(
         None, lambda: export_checkpoint(model, out_dir, tokenizer_from, dtype=dtype, timings=timings,
                                         max_shard_bytes=max_shard_bytes))
     return await sync_weights(client, path, weight_version, timings=timings, **sync)
+
+
+def fixed_reference(probe_ids: list[int], start: int, ref: list[float]) -> Callable[[list[int], int], list[float]]:
+    """`sync_weights`' learner_logprobs for the one probe sequence, computed beforehand: with
+    several learner processes the learner's log-probs are collective, and a probe (or a server's
+    re-admission by the fleet) runs on one process."""
+    def learner_logprobs(ids: list[int], at: int) -> list[float]:
+        if list(ids) != list(probe_ids) or at != start:
+            raise ValueError("fixed_reference: asked for another sequence than the weight-sync probe's")
+        return ref
+    return learner_logprobs

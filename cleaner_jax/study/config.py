@@ -28,7 +28,8 @@ from cleaner_jax.schema import field, section
 ROOT = Path(__file__).resolve().parents[2]  # the repository: relative base_config paths start here
 ARM_NAME = re.compile(r"[a-z][a-z0-9_]*")
 # keys the study sets itself in every run: an arm or `run` setting them would contradict it
-STUDY_SET = {("train", "seed"): "the study's seeds", ("warmup_sft", "cache_dir"): "share_warm_start"}
+STUDY_SET = {("train", "seed"): "the study's seeds", ("warmup_sft", "cache_dir"): "share_warm_start",
+             ("train", "compilation_cache_dir"): "share_compilation_cache"}
 
 
 @section
@@ -40,6 +41,9 @@ class StudyConfig:
     benchmark: str = field("toy", help="the eval benchmark whose accuracy the summary reports (data.eval name)")
     share_warm_start: bool = field(
         True, help="keep warm starts and step-0 evaluations in <study>/warm_cache, shared by the runs of a seed")
+    share_compilation_cache: bool = field(
+        True, help="every run's train.compilation_cache_dir is <study>/xla_cache: a run loads the programs the runs "
+        "before it compiled (its learner's and its rollout server's) instead of compiling them again")
     tail_steps: int = field(1, ge=1, help="training-rollout metrics: the summary's 'last' is the mean of the last N steps")
     bootstrap_resamples: int = field(10_000, ge=100, help="resamples of the bootstrap CI over seeds")
     bootstrap_seed: int = field(0, ge=0, help="seed of the bootstrap")
@@ -61,12 +65,22 @@ class Study:
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
 
-    def run_config(self, arm: Arm, seed: int, cache_dir: Path | None) -> ml_collections.ConfigDict:
-        """The run config of `arm` at `seed`: the base file's, with the arm's overrides."""
+    def shared_dirs(self, workdir: Path) -> dict[str, str]:
+        """The directories the runs of a study under `workdir` share (run keys of STUDY_SET)."""
+        keys = {}
+        if self.settings.share_warm_start:
+            keys["warmup_sft.cache_dir"] = str(workdir / "warm_cache")
+        if self.settings.share_compilation_cache:
+            keys["train.compilation_cache_dir"] = str(workdir / "xla_cache")
+        return keys
+
+    def run_config(self, arm: Arm, seed: int, workdir: Path | None) -> ml_collections.ConfigDict:
+        """The run config of `arm` at `seed` in a study under `workdir`: the base file's, with the
+        arm's overrides and the study's shared directories (None: without them)."""
         c = load_run_config(self.base_config)
         apply(c, {**arm.overrides, "train.seed": seed}, f"config.arms.{arm.name}")
-        if cache_dir is not None:
-            apply(c, {"warmup_sft.cache_dir": str(cache_dir)}, "config.share_warm_start")
+        if workdir is not None:
+            apply(c, self.shared_dirs(workdir), "config (the study's shared directories)")
         return c
 
 
@@ -165,8 +179,8 @@ def validate_study(c: ml_collections.ConfigDict) -> Study:
     for arm in study.arms:  # every run config is built and checked now, not when its turn comes
         try:
             r = validate(study.run_config(arm, seeds[0], None))
-            if settings.share_warm_start and r.warmup_sft.steps > 0:
-                validate(study.run_config(arm, seeds[0], Path("/nonexistent/cache")))
+            if not (settings.share_warm_start and r.warmup_sft.steps == 0):  # that one is named below
+                validate(study.run_config(arm, seeds[0], Path("/nonexistent/study")))
         except ConfigError as e:
             raise ConfigError(f"config.arms.{arm.name} (with config.run): the run config is rejected: {e}") from None
         if settings.benchmark not in [n.split("=", 1)[0] for n in r.data.eval.split(",") if n]:

@@ -8,12 +8,9 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # files only; no display on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from cleaner_jax.viz import figure
 
 Curve = tuple[list[int], list[float]]  # steps, values of one run
 
@@ -31,7 +28,7 @@ def band(curves: list[Curve]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Curve]]) -> bool:
     """One metric, every arm; returns False (and writes nothing) when no arm has a finite value."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = figure.new()
     drawn = False
     for arm, curves in arms.items():
         steps, mean, std = band(curves)
@@ -41,14 +38,7 @@ def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Cur
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
         drawn = True
     if drawn:
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
+        figure.save(fig, ax, path, title=title, xlabel="RL step", ylabel=ylabel)
+    else:
+        figure.close(fig)
     return drawn

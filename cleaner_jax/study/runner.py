@@ -49,15 +49,8 @@ def run_dir(workdir: Path, arm: str, seed: int) -> Path:
     return workdir / "runs" / arm / f"seed_{seed}"
 
 
-def cache_dir(study: Study, workdir: Path) -> Path | None:
-    return workdir / "warm_cache" if study.settings.share_warm_start else None
-
-
 def train_command(study: Study, arm: Arm, seed: int, workdir: Path, python: str = sys.executable) -> tuple[str, ...]:
-    overrides = {**arm.overrides, "train.seed": seed}
-    cache = cache_dir(study, workdir)
-    if cache is not None:
-        overrides["warmup_sft.cache_dir"] = str(cache)
+    overrides = {**arm.overrides, "train.seed": seed, **study.shared_dirs(workdir)}
     return (python, "-m", "cleaner_jax.train", "--config", str(study.base_config),
             *(f"--config.{k}={cli_value(v)}" for k, v in overrides.items()),
             "--workdir", str(run_dir(workdir, arm.name, seed)))

@@ -11,12 +11,10 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-matplotlib.use("Agg")  # files only; no display needed on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from cleaner_jax.viz import figure
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps [N], values [N])
 
@@ -49,7 +47,7 @@ def sweep_runs(sweep_dir: str | Path) -> dict[str, Path]:
 
 def plot_runs(runs: dict[str, Path], tag: str, out_png: str | Path, *, title: str | None = None) -> Path:
     """One curve per run for scalar `tag`; runs that never wrote the tag are named in an error."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure.new(7, 4)
     missing = []
     for label, run_dir in runs.items():
         scalars = load_scalars(run_dir)
@@ -59,19 +57,9 @@ def plot_runs(runs: dict[str, Path], tag: str, out_png: str | Path, *, title: st
         steps, values = scalars[tag]
         ax.plot(steps, values, marker="o", ms=3, label=label)
     if missing:
-        plt.close(fig)
+        figure.close(fig)
         raise KeyError(f"tag {tag!r} missing in runs: {missing}")
-    ax.set_xlabel("step")
-    ax.set_ylabel(tag)
-    ax.set_title(title or tag)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return figure.save(fig, ax, Path(out_png), title=title or tag, xlabel="step", ylabel=tag)
 
 
 def plot_sweep(sweep_dir: str | Path, tag: str, out_png: str | Path) -> Path:

@@ -13,11 +13,7 @@ import math
 import re
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from cleaner_jax.viz import figure
 
 log = logging.getLogger("cleaner_jax.viz.run_plots")
 
@@ -84,21 +80,12 @@ def plot_run(workdir: str | Path) -> list[Path]:
         if not present:
             log.info("plot %s skipped: the run wrote none of %s", name, [c[0] for c in curves])
             continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = figure.new(6, 3.5)
         for tag, label, transform in present:
             steps, values = scalars[tag]
             ys = _error_rate(scalars, steps, values) if transform == "error_rate" else values
             ax.plot(steps, ys, marker="o", ms=3, label=label)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        written.append(out_dir / name)
+        written.append(figure.save(fig, ax, out_dir / name, title=title, xlabel="step", ylabel=ylabel))
     log.info("wrote %d plots under %s", len(written), out_dir)
     return written
 
