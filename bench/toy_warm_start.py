@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             rows[name] = measure(c, Path(tmp) / name, held)
             r = rows[name]
             print(f"{name:>4}: {examples} demonstrations x {args.steps} steps (batch {c.warmup_sft.batch_size}) "
-                  f"in {r['warm_start_s']:.0f} s: P(result) {r['p_result']:.3f}  P(operands) {r['p_operands']:.3f}",
+                  f"in {r['warm_start_s']:.0f} s: P(result) {r['p_result']:.3g}  P(operands) {r['p_operands']:.3g}",
                   flush=True)
     print(f"many / few, P(result): {rows['many']['p_result'] / rows['few']['p_result']:.2f}")
 

@@ -9,9 +9,10 @@ process group and the rollout server that left it) once the second run has commi
 checkpoint, and runs the same command again to the end, so the output it hands over is that of a
 killed-and-continued study. `SmallStudy` says what happened (which run was killed, when).
 
-Use it from a test file as
+The `small_study` fixture itself is in tests/conftest.py (one study per session, whichever file
+asks first); a test file using it sets
 
-    from _study_common import STUDY_TIMEOUT_S, small_study  # noqa: F401  (the fixture)
+    from _study_common import STUDY_TIMEOUT_S
     pytestmark = pytest.mark.timeout(STUDY_TIMEOUT_S)
 
 (the first test to use it pays for the study in its setup, which pytest-timeout counts: pytest.ini's
@@ -28,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from test_train_toy import kill_trainer  # the trainer tests' helper: group, then escaped descendants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,3 @@ def run_small_study(root: Path) -> SmallStudy:
     assert rc == 0, console.read_text()[-5000:]
     return SmallStudy(workdir, config, cmd, src, second, killed_at, done_text, time.monotonic() - t0)
 
-
-@pytest.fixture(scope="session")
-def small_study(tmp_path_factory) -> SmallStudy:
-    return run_small_study(tmp_path_factory.mktemp("small_study"))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from nbclient import NotebookClient
 
-from _study_common import ARMS, SEEDS, STUDY_TIMEOUT_S, small_study  # noqa: F401  (small_study: the fixture)
+from _study_common import ARMS, SEEDS, STUDY_TIMEOUT_S
 from _viz_common import scripted_step
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.viz.dumps import token_pieces, write_step
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(STUDY_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")
-def study(small_study) -> Path:  # noqa: F811  (the imported fixture, as an argument)
+def study(small_study) -> Path:  # the session's study (tests/conftest.py)
     """The shared small study's workdir (tests/_study_common.py: 2 arms x 2 seeds, 2 RL steps)."""
     return small_study.workdir
 

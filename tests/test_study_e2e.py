@@ -4,7 +4,8 @@
 Checks: every run finished once and the finished one was not redone; the killed run resumed from
 its checkpoint; the warm start and the step-0 evaluation were computed once per seed and reused by
 the other arm; the summary's numbers equal a NumPy computation from the runs' own metrics; a PNG
-per metric; and one arm x seed rerun from scratch (fresh workdir, fresh cache) reproduces the
+per metric; the runs share one compilation cache; and one arm x seed rerun from scratch (fresh
+workdir, fresh warm cache, the study's compilation cache) reproduces the
 killed-and-continued run's metrics.jsonl: every key, exactly but for the wall-clock ones (left out)
 and the rollout server's batched log-prob metrics (to 1e-5), as tests/test_trainer_kill.py."""
 import json
@@ -13,8 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from _study_common import (ARMS, SEEDS, STUDY_TIMEOUT_S, metrics_by_step, run_to_end,  # noqa: F401
-                           small_study)
+from _study_common import ARMS, SEEDS, STUDY_TIMEOUT_S, metrics_by_step, run_to_end
 # what "the same metrics" means for two runs of one config, as for a killed-and-resumed run
 # (docs/reliability.md row 3): wall-clock metrics left out, the rollout server's batched log-prob
 # metrics (learner/gap/*, splice/*log_ratio*, weight_sync/probe_gap) to 1e-5, the rest exactly
@@ -23,7 +23,7 @@ from test_trainer_kill import close_enough, is_wall_clock  # noqa: E402
 pytestmark = pytest.mark.timeout(STUDY_TIMEOUT_S)
 
 
-def test_every_run_finished_once_and_the_killed_one_resumed(small_study):  # noqa: F811
+def test_every_run_finished_once_and_the_killed_one_resumed(small_study):
     s = small_study
     for arm in ARMS:
         for seed in SEEDS:
@@ -41,7 +41,19 @@ def test_every_run_finished_once_and_the_killed_one_resumed(small_study):  # noq
     assert "summary" in second_console.lower()
 
 
-def test_warm_start_and_step0_evaluation_shared_per_seed(small_study):  # noqa: F811
+def test_the_runs_share_one_compilation_cache(small_study):
+    """share_compilation_cache (on by default): every run's train.compilation_cache_dir is the study's
+    xla_cache/, which holds the compiled programs (the rerun test below loads from it too)."""
+    s = small_study
+    cache = s.workdir / "xla_cache"
+    assert cache.is_dir() and any(cache.iterdir())
+    for arm in ARMS:
+        for seed in SEEDS:
+            config = json.loads((s.run(arm, seed) / "config.json").read_text())
+            assert config["train"]["compilation_cache_dir"] == str(cache)
+
+
+def test_warm_start_and_step0_evaluation_shared_per_seed(small_study):
     s = small_study
     entries = sorted(p for p in (s.workdir / "warm_cache").iterdir() if p.is_dir())
     assert len(entries) == len(SEEDS), entries  # one warm start per seed, whatever the arm
@@ -60,7 +72,7 @@ def test_warm_start_and_step0_evaluation_shared_per_seed(small_study):  # noqa: 
         assert weights[0] == weights[1]
 
 
-def test_summary_equals_numpy_over_the_runs_metrics(small_study):  # noqa: F811
+def test_summary_equals_numpy_over_the_runs_metrics(small_study):
     s = small_study
     summary = json.loads((s.workdir / "summary.json").read_text())
     for arm in ARMS:
@@ -96,9 +108,10 @@ def test_summary_equals_numpy_over_the_runs_metrics(small_study):  # noqa: F811
     assert json.loads((s.workdir / "summary.json").read_text())["arms"] == summary["arms"]
 
 
-def test_one_run_from_scratch_reproduces_its_metrics(small_study, tmp_path):  # noqa: F811
-    """The killed-and-continued run, rerun with its own command in a fresh workdir and a fresh cache
-    (so its warm start and step-0 evaluation are computed, not copied): the same metrics.jsonl."""
+def test_one_run_from_scratch_reproduces_its_metrics(small_study, tmp_path):
+    """The killed-and-continued run, rerun with its own command in a fresh workdir and a fresh warm
+    cache (so its warm start and step-0 evaluation are computed, not copied), its programs loaded
+    from the study's compilation cache: the same metrics.jsonl."""
     s = small_study
     cmd = json.loads((s.killed_run / "DONE").read_text())["command"]
     fresh = tmp_path / "fresh"
