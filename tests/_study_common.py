@@ -1,5 +1,6 @@
-"""A small real study (2 arms x 2 seeds, 2 RL steps, a tiny evaluation), run once per test session
-and shared: by tests/test_study_e2e.py and by the notebook tests, which run on its output.
+"""The small real study (cleaner_jax/testing/small_study.py: 2 arms x 2 seeds, 2 RL steps, a tiny
+evaluation), run once per test session and shared: by tests/test_study_e2e.py and by the notebook
+tests, which run on its output.
 
 The fixture runs `python -m cleaner_jax.study` as a user would, on a snapshot of the package and
 the configs taken when it starts (`SmallStudy.source`, first on PYTHONPATH: the study's runs and
@@ -31,35 +32,10 @@ from pathlib import Path
 
 from test_train_toy import kill_trainer  # the trainer tests' helper: group, then escaped descendants
 
+from cleaner_jax.testing.small_study import ARMS, SEEDS, config_text
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY_TIMEOUT_S = 3600  # the study (4 runs, one of them killed and continued) and the test that waits for it
-ARMS = ("cleaner", "grpo_raw")  # the runner's order within a seed (the study config's arms, sorted)
-SEEDS = (0, 1)
-RUN_OVERRIDES = {  # on top of configs/toy.py: the smallest run that still trains, evaluates and resumes
-    "train": {"steps": 2, "eval_every": 2, "checkpoint_every": 1, "eval_before_train": True},
-    "warmup_sft": {"steps": 2, "examples": 16, "batch_size": 8},
-    "algo": {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4},
-    "data": {"eval_limit": 2},
-    "eval": {"n": 2},
-    "sandbox": {"workers": 2},
-}
-
-STUDY_CONFIG = f'''
-from ml_collections import ConfigDict
-from cleaner_jax.study.config import study_config
-
-
-def get_config():
-    c = study_config()
-    c.base_config = "configs/toy.py"
-    c.seeds = "{",".join(map(str, SEEDS))}"
-    c.baseline = "grpo_raw"
-    c.bootstrap_resamples = 1000
-    c.run = ConfigDict({RUN_OVERRIDES!r})
-    c.arms.cleaner = ConfigDict()
-    c.arms.grpo_raw = ConfigDict({{"saar": {{"enable": False}}}})
-    return c
-'''
 
 
 def metrics_by_step(path: Path) -> dict[int, dict]:
@@ -115,7 +91,7 @@ def run_small_study(root: Path) -> SmallStudy:
     src = snapshot(root)
     env = {**os.environ, "PYTHONPATH": str(src)}
     config = root / "small_study.py"
-    config.write_text(STUDY_CONFIG)
+    config.write_text(config_text())
     workdir = root / "study"
     cmd = (sys.executable, "-m", "cleaner_jax.study", "--config", str(config), "--workdir", str(workdir))
     first = workdir / "runs" / ARMS[0] / f"seed_{SEEDS[0]}"
