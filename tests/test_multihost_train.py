@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,16 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout: float) -> None:
             logs = "\n".join(f"{f}:\n{f.read_text()[-4000:]}" for f in sorted([*workdir.glob("*.txt"),
                                                                               *workdir.glob("*.log")]))
             raise AssertionError(f"trainer process {i} of {len(procs)} in {workdir} ended with {rc}:\n{logs}")
+
+
+def _wait_for_build(procs: list[subprocess.Popen], cache: Path, workdir: Path, timeout: float = 300) -> None:
+    """Until a run holds the warm cache's lock and builds (its key.json is written first)."""
+    deadline = time.monotonic() + timeout
+    while not list(cache.glob("*/key.json")):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            _wait(procs, workdir, timeout=1)  # raises with the logs
+            raise AssertionError(f"no warm start build began under {cache} in {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def _metrics(workdir: Path) -> dict[int, dict]:
@@ -174,9 +185,13 @@ def test_two_trainer_processes_equal_one(tmp_path):
     cache = tmp_path / "warm_cache"
     one, two = tmp_path / "one", tmp_path / "two"
     procs = []
-    try:  # both runs at once: whichever gets the warm cache's lock first builds the warm start
-        procs = _start(one, STEPS, cache, 1)
-        procs += _start(two, STEPS - 1, cache, 2, ("--config.train.eval_every=0",))  # stopped after STEPS - 1
+    try:
+        # both runs at once. The 2-process run builds the warm start (process 0 alone on its own 2
+        # devices, the other waiting at a barrier: a learner and an export that enter no collective);
+        # the 1-process run starts once it holds the warm cache's lock, waits for it and copies it
+        procs = _start(two, STEPS - 1, cache, 2, ("--config.train.eval_every=0",))  # stopped after STEPS - 1
+        _wait_for_build(procs, cache, two)
+        procs = _start(one, STEPS, cache, 1) + procs
         _wait(procs[1:], two, timeout=600)
         _wait(procs[:1], one, timeout=600)
         assert "resumed" not in (two / "train.log").read_text()
@@ -185,6 +200,8 @@ def test_two_trainer_processes_equal_one(tmp_path):
     finally:
         _stop(procs)
     assert "resumed from checkpoint 2" in (two / "train.process_1.log").read_text()
+    assert "computed and cached" in (two / "train.log").read_text()
+    assert "reused from the cache" in (one / "train.log").read_text()
     _compare(one, two)
 
 

@@ -12,7 +12,9 @@ replicated) and kept on host only by the process that writes its file (file k: p
 k % process_count). Not "each process writes what it owns": an HF file holds whole tensors,
 and an fsdp/tp-sharded tensor is whole on no host, so that route would need the same gather
 plus a file layout tied to the mesh. This way the files, index and bytes are those of a
-1-process export, whatever the mesh, and a host holds at most one file plus one tensor.
+1-process export, whatever the mesh, and a host holds at most one file plus one tensor. A model
+on one process's own devices (the toy warm start, fitted by process 0 alone) is written by that
+process alone, with no collective, while the others wait elsewhere.
 """
 from __future__ import annotations
 
@@ -285,20 +287,23 @@ def save_model(
     if export_dtype not in _NP_DTYPES:
         raise ValueError(f"save_model: dtype {export_dtype!r} is not one of {sorted(_NP_DTYPES)}")
     itemsize = np.dtype(_NP_DTYPES[export_dtype]).itemsize
-    nproc, me = jax.process_count(), jax.process_index()
-    t_gather = t_write = 0.0
-    t0 = time.perf_counter()
-    _check_finite(model)  # collective; every process raises alike
-    t_gather += time.perf_counter() - t0
     cfg = model.config
     state = nnx.state(model, nnx.Param)
+    # collective when the parameters span several processes; parameters on this process's own
+    # devices (the toy warm start process 0 fits alone) are written by this process alone
+    collective = not all(x.is_fully_addressable for x in jax.tree.leaves(state))
+    nproc, me = (jax.process_count(), jax.process_index()) if collective else (1, 0)
+    t_gather = t_write = 0.0
+    t0 = time.perf_counter()
+    _check_finite(model)  # collective if the parameters are; every process raises alike
+    t_gather += time.perf_counter() - t0
     table = param_table(cfg)
     _check_table_matches_model(table, state)
     entries = {e.hf_name: e for e in table}
     shapes = {e.hf_name: _hf_shape(_get_nested(state, e.path).shape, e) for e in table}
     groups = plan_shards([(n, int(np.prod(s)) * itemsize) for n, s in shapes.items()], max_shard_bytes)
     names = shard_names(len(groups))
-    final_dir, out_dir = out_dir, _partial_dir_everywhere(out_dir)
+    final_dir, out_dir = out_dir, _partial_dir_everywhere(out_dir, collective)
     error: BaseException | None = None
     for k, (fname, group) in enumerate(zip(names, groups)):
         mine = k % nproc == me
@@ -333,7 +338,7 @@ def save_model(
         except Exception as exc:  # re-raised below, on every process
             error = exc
     t_write += time.perf_counter() - t0
-    _agree(error, f"writing {final_dir}")
+    _agree(error, f"writing {final_dir}", collective)
     if timings is not None:
         timings["gather_s"] = timings.get("gather_s", 0.0) + t_gather
         timings["write_s"] = timings.get("write_s", 0.0) + t_write
@@ -342,7 +347,7 @@ def save_model(
             commit_dir(out_dir, final_dir)
         except Exception as exc:  # re-raised below, on every process
             error = exc
-    _agree(error, f"renaming {out_dir} to {final_dir}")
+    _agree(error, f"renaming {out_dir} to {final_dir}", collective)
     return final_dir
 
 
@@ -395,10 +400,10 @@ def _layout_fn(transpose: bool, dtype: str, stacked: bool, out_sharding: jax.sha
     return jax.jit(layout) if out_sharding is None else jax.jit(layout, out_shardings=out_sharding)
 
 
-def _agree(error: BaseException | None, what: str) -> None:
-    """Raise on every process if `what` failed on any (a collective in a multi-process run): the
-    failing process re-raises its own error, the others an ExportFailedError naming it."""
-    if jax.process_count() == 1:
+def _agree(error: BaseException | None, what: str, collective: bool) -> None:
+    """Raise on every process if `what` failed on any (`collective`: an all-gather over the
+    processes): the failing process re-raises its own error, the others an ExportFailedError naming it."""
+    if not collective:
         if error is not None:
             raise error
         return
@@ -410,21 +415,24 @@ def _agree(error: BaseException | None, what: str) -> None:
                                 "the directory was not committed")
 
 
-def _partial_dir_everywhere(final: Path) -> Path:
-    """`partial_dir(final)`, made by process 0 and checked visible to every process."""
+def _partial_dir_everywhere(final: Path, collective: bool) -> Path:
+    """`partial_dir(final)`, made by process 0 and checked visible to every process (`collective`;
+    else made by this process)."""
     tmp = final.parent / f".{final.name}.partial"
     error: BaseException | None = None
+    if not collective:
+        return partial_dir(final)
     if jax.process_index() == 0:
         try:
             partial_dir(final)
         except Exception as exc:  # re-raised by _agree, on every process
             error = exc
-    _agree(error, f"creating {tmp}")
+    _agree(error, f"creating {tmp}", collective)
     if not tmp.is_dir():
         error = FileNotFoundError(
             f"process {jax.process_index()} does not see {tmp}, which process 0 created: a multi-process export "
             "must go to a directory every process shares (NFS, or train.weight_export_dir on a shared mount)")
-    _agree(error, f"seeing {tmp} from every process")
+    _agree(error, f"seeing {tmp} from every process", collective)
     return tmp
 
 

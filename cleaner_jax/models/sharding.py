@@ -48,6 +48,21 @@ def make_mesh(fsdp: int, tp: int, devices: Sequence[jax.Device] | None = None) -
     return jax.make_mesh((fsdp, tp), (FSDP, TP), axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
+def mesh_processes(mesh: Mesh | None) -> int:
+    """How many processes work on `mesh`: jax.process_count() for the run's global mesh (and for
+    no mesh, which a multi-process learner refuses), 1 for a mesh of this process's own devices,
+    such as the toy warm start process 0 fits alone while the others wait. Code on a 1-process
+    mesh must not enter a collective: the other processes are not in it. A mesh over some but
+    not all processes has no use here and is refused."""
+    if mesh is None:
+        return jax.process_count()
+    owners = {d.process_index for d in mesh.devices.flat}
+    if len(owners) not in (1, jax.process_count()):
+        raise ValueError(f"mesh over the devices of processes {sorted(owners)} of {jax.process_count()}: a mesh "
+                         "spans this process's devices or every process's (session.make_mesh)")
+    return len(owners)
+
+
 def param_spec(path: Sequence[Any]) -> P:
     """PartitionSpec of the parameter at NNX path `path` (e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')).
 

@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from cleaner_jax.models.sharding import BATCH_SPEC, FSDP
+from cleaner_jax.models.sharding import BATCH_SPEC, FSDP, mesh_processes
 from cleaner_jax.trajectory import Trajectory
 
 Tree = TypeVar("Tree")
@@ -188,18 +188,20 @@ def place_batch(tree: Tree, mesh: Mesh | None) -> Tree:
     """Put a host batch (a `Batch` or any pytree of per-row arrays) on device(s):
     `sharding.BATCH_SPEC`, i.e. rows split over `fsdp`, replicated over `tp`.
 
-    With several processes (`jax.distributed`), `tree` is this process's rows only: the global
-    batch is every process's rows concatenated in process order, assembled on the devices by
-    `jax.make_array_from_process_local_data` (never gathered on one host). That needs a mesh
+    With a mesh over several processes (`jax.distributed`, `mesh_processes`), `tree` is this
+    process's rows only: the global batch is every process's rows concatenated in process order,
+    assembled on the devices by `jax.make_array_from_process_local_data` (never gathered on one
+    host). That needs a mesh
     whose fsdp axis runs over the processes in order, each process's devices one contiguous
     block (`session.make_mesh`), and the same number of rows in every process."""
     if mesh is None:
         return jax.tree.map(jax.device_put, tree)
-    b = jax.tree.leaves(tree)[0].shape[0] * jax.process_count()
+    processes = mesh_processes(mesh)
+    b = jax.tree.leaves(tree)[0].shape[0] * processes
     if b % mesh.shape[FSDP]:
         raise ValueError(f"learner batch: batch size {b} is not divisible by the fsdp mesh axis ({mesh.shape[FSDP]})")
     rows = NamedSharding(mesh, BATCH_SPEC)
-    if jax.process_count() == 1:
+    if processes == 1:
         return jax.tree.map(lambda v: jax.device_put(v, rows), tree)
     return jax.tree.map(lambda v: jax.make_array_from_process_local_data(rows, np.asarray(v), (b, *v.shape[1:])), tree)
 
@@ -207,7 +209,7 @@ def place_batch(tree: Tree, mesh: Mesh | None) -> Tree:
 def local_rows(x: jax.Array, mesh: Mesh | None) -> np.ndarray:
     """This process's rows of a [B, ...] array laid out like `place_batch`'s output, on the
     host (all of it with one process): the inverse of `place_batch` for results."""
-    if mesh is None or jax.process_count() == 1:
+    if mesh is None or mesh_processes(mesh) == 1:
         return np.asarray(x)
     return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, BATCH_SPEC))
 

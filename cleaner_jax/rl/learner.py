@@ -56,7 +56,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cleaner_jax import distributed, schema
-from cleaner_jax.models.sharding import FSDP
+from cleaner_jax.models.sharding import FSDP, mesh_processes
 from cleaner_jax.rl.batch import (Batch, at_width, local_rows, padded_fraction, parse_widths, place_batch,
                                   plan_micro_batches, validate_batch)
 from cleaner_jax.rl.checkpointing import Checkpointer
@@ -161,9 +161,10 @@ class Learner:
         self.consecutive_skips = 0  # skipped updates since the last applied one
         self._checkpointer = Checkpointer(checkpoint_dir, max_checkpoints_to_keep) if checkpoint_dir else None
         self._out_shapes: dict[Any, Any] = {}  # bucketed step: batch structure -> LossOutput shapes
-        # several processes (jax.distributed): each passes its own rows, the same number in every
-        # process; a micro-batch takes micro_batch_size / processes rows from each
-        self.processes = jax.process_count()
+        # a mesh over several processes (jax.distributed): each passes its own rows, the same number
+        # in every process; a micro-batch takes micro_batch_size / processes rows from each. A mesh
+        # of this process's devices (the toy warm start on process 0) is a one-process learner.
+        self.processes = mesh_processes(mesh)
         if self.processes > 1:
             if mesh is None:
                 raise ValueError("Learner: several processes need the global mesh (session.make_mesh), got mesh=None")
