@@ -36,7 +36,7 @@ from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.config import check_mesh, sandbox_warning, validate
 from cleaner_jax.models import compile_cache, sharding
-from cleaner_jax.models.params import commit_dir, partial_dir
+from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet
@@ -137,7 +137,7 @@ class Session:
 def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     """The HF directory the run starts from: `model.path`, or a random tiny checkpoint
     (toy run) written once into the workdir and reused on resume. The tiny checkpoint is written
-    in a hidden sibling and renamed into place (`params.commit_dir`), so a run killed while
+    in a hidden sibling and renamed into place (`atomic_dir.commit_dir`), so a run killed while
     writing it leaves no torn `init_model/` for its resumption to train from."""
     if not config.model.tiny_init:
         return Path(config.model.path).resolve()
@@ -225,7 +225,7 @@ def discard_after(workdir: Path, exports: Path, step: int) -> None:
     for root in (exports, workdir / "eval"):
         for d in sorted(root.iterdir()) if root.is_dir() else []:
             m = re.fullmatch(r"step_(\d+)", d.name)
-            # .step_N.partial / .replaced: an export killed inside `params.commit_dir`'s write or swap
+            # .step_N.partial / .replaced: an export killed inside `atomic_dir.commit_dir`'s write or swap
             if (m and int(m.group(1)) > step) or (root == exports and d.name.startswith(".step_")):
                 shutil.rmtree(d)
                 removed.append(f"{root.name}/{d.name}")

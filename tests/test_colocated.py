@@ -279,7 +279,7 @@ def test_colocated_trainer_refuses_a_server_without_memory_saver():
     before its first step naming rollout.colocated (a stand-in server answering like SGLang)."""
     from aiohttp import web
 
-    from cleaner_jax.train import _StepLoop
+    from cleaner_jax.train_steps import StepLoop
 
     async def server_info(_):
         return web.json_response({"enable_memory_saver": False})
@@ -306,7 +306,7 @@ def test_colocated_trainer_refuses_a_server_without_memory_saver():
         def run(self, aw):
             return loop.run_until_complete(aw)
 
-    step_loop = _StepLoop.__new__(_StepLoop)
+    step_loop = StepLoop.__new__(StepLoop)
     step_loop.session = Session()
     try:
         with pytest.raises(ConfigError, match=r"config\.rollout\.colocated: .* was not started with "

@@ -219,7 +219,7 @@ def test_scaler_state_types():
 
 
 def test_episode_ids_of_each_update():
-    from cleaner_jax.train import update_episode_ids
+    from cleaner_jax.train_steps import update_episode_ids
     from cleaner_jax.trajectory import ScoredEpisode
 
     # update_episode_ids reads only uid and validity; a stand-in Episode object is enough
@@ -232,7 +232,7 @@ def test_episode_ids_of_each_update():
 
 
 def test_consecutive_skips_stop_the_run_after_a_checkpoint(ckpt, tmp_path):
-    from cleaner_jax.train import NonFiniteTrainingError, stop_if_stuck
+    from cleaner_jax.train_steps import NonFiniteTrainingError, stop_if_stuck
 
     lr = learner(ckpt, "float32", checkpoint_dir=tmp_path / "ck")
     lr.train_step(make_batch(1))

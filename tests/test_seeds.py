@@ -11,7 +11,8 @@ import pytest
 
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
-from cleaner_jax.train import Trainer, data_seed, eval_seed, rollout_seed
+from cleaner_jax.train import Trainer, data_seed
+from cleaner_jax.train_steps import eval_seed, rollout_seed
 from cleaner_jax.wiring import training_problems
 from _configs import load_config
 

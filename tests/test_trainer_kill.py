@@ -53,6 +53,7 @@ def _drive(argv: list[str]) -> None:
     import cleaner_jax.models.params as params
     import cleaner_jax.toy.checkpoint as tiny
     import cleaner_jax.train as T
+    import cleaner_jax.train_steps as S
     from orbax.checkpoint._src.path import async_path
 
     def tearing(save_file):  # safetensors' save_file, as params / toy.checkpoint call it
@@ -69,7 +70,7 @@ def _drive(argv: list[str]) -> None:
     params.save_file = tearing(params.save_file)
     tiny.save_file = tearing(tiny.save_file)
 
-    collect = T._StepLoop.collect
+    collect = S.StepLoop.collect
     current = {"step": 0}
 
     def collect_wrapped(self, step, sampler):
@@ -81,8 +82,8 @@ def _drive(argv: list[str]) -> None:
         note(f"exit rollout {step + 1}")
         return out
 
-    T._StepLoop.collect = collect_wrapped
-    rl_step = T.rl_step_with_old_logprobs
+    S.StepLoop.collect = collect_wrapped
+    rl_step = S.rl_step_with_old_logprobs
 
     def rl_step_wrapped(learner, scored, cfg):
         step = current["step"]
@@ -93,7 +94,7 @@ def _drive(argv: list[str]) -> None:
         note(f"exit update {step}")
         return out
 
-    T.rl_step_with_old_logprobs = rl_step_wrapped
+    S.rl_step_with_old_logprobs = rl_step_wrapped
     warm = T.warm_start
 
     def warm_wrapped(*args, **kwargs):

@@ -115,7 +115,7 @@ class Collector:
 
         Everything random in episode i (sampling seeds, the SAAR rollback draw) derives from
         `(seed, i)`, so the same call returns the same episodes. `seed` must carry the run's
-        seed: the trainer passes `cleaner_jax.train.rollout_seed(train.seed, step)`, so two
+        seed: the trainer passes `cleaner_jax.train_steps.rollout_seed(train.seed, step)`, so two
         runs differ in their rollouts exactly when their train.seed (or step) does.
         `first_group`: the problems are groups first_group.. of a larger step (one learner
         process's `distributed.share`), so episode i here is episode first_group * n + i of the

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from cleaner_jax.models import sharding
+from cleaner_jax.models.atomic_dir import commit_dir, fsync, partial_dir
 from cleaner_jax.models.config import QwenConfig
 from cleaner_jax.models.qwen import Qwen
 
@@ -317,7 +317,7 @@ def save_model(
         if mine and error is None:
             try:
                 save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
-                _fsync(out_dir / fname)  # by its writer: process 0's fsync may not reach another host's cache
+                fsync(out_dir / fname)  # by its writer: process 0's fsync may not reach another host's cache
             except Exception as exc:  # re-raised after every process learnt of it (_agree)
                 error = exc
         t_gather += t1 - t0
@@ -472,49 +472,3 @@ def _copy_tokenizer(src: Path, out_dir: Path) -> None:
     for name in present:
         if (src / name).resolve() != (out_dir / name).resolve():
             shutil.copyfile(src / name, out_dir / name)
-
-
-# ---- atomic directory writes (docs/reliability.md, row 3) ---------------------------------------
-# A model directory (an export for the rollout servers, the warm start, the toy run's initial
-# checkpoint) is written in a hidden sibling and renamed into place, so that a process killed
-# while writing never leaves a torn directory under the final name: readers (a resumed run, a
-# server, `evaluate`) see the old directory, the new one, or none.
-
-
-def partial_dir(final: Path) -> Path:
-    """A fresh, empty directory beside `final` (same file system, so the rename is atomic) to
-    write `final` in; one left by a killed writer of the same `final` is removed first."""
-    tmp = final.parent / f".{final.name}.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def commit_dir(tmp: Path, final: Path) -> Path:
-    """Make the directory written as `tmp` (`partial_dir`) appear as `final`, whole: fsync its
-    files and itself, then rename. An existing `final` is first renamed to `.<name>.replaced`
-    and removed afterwards, so a kill between the two renames leaves `final` absent (written
-    again by whoever needs it), never half old and half new."""
-    for root, _dirs, files in os.walk(tmp):
-        for name in files:
-            _fsync(Path(root) / name)
-    _fsync(tmp)
-    old = final.parent / f".{final.name}.replaced"
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
-    return final
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

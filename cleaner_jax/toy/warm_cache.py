@@ -43,7 +43,7 @@ from typing import Any
 import ml_collections
 
 from cleaner_jax.agent.config import AgentConfig
-from cleaner_jax.models.params import commit_dir, partial_dir
+from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.saar.config import SaarConfig
 
 log = logging.getLogger(__name__)
