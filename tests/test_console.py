@@ -2,7 +2,8 @@
 before/after summary on the console; Orbax/absl/JAX INFO lines only in <workdir>/train.log.
 
 `console_run` is one tiny toy run with the evaluation before RL, made once per test session;
-tests/test_metric_names.py checks its metric names.
+tests/test_metric_names.py checks its metric names, tests/test_viz_browser.py views a copy of its
+dumps.
 """
 from __future__ import annotations
 

@@ -117,12 +117,8 @@ def assert_same(x, y, path=""):
         assert x == y or (x != x and y != y), f"{path}: {x!r} != {y!r}"
 
 
-def test_killed_and_resumed_evaluation_reports_what_an_uninterrupted_one_does(model, tmp_path):
-    wd, hf = model
-    a = tmp_path / "a"
-    run(evaluate_cmd(wd, a, "--model_dir", str(hf)))
-
-    b = tmp_path / "b"
+def killed_and_resumed(wd: Path, b: Path) -> subprocess.CompletedProcess:
+    """The evaluation of checkpoint 1 into `b`, SIGKILLed after two problems, then run again to the end."""
     first = b / "samples" / "toy.saar_off.jsonl"
     proc = subprocess.Popen(evaluate_cmd(wd, b, "--checkpoint", str(wd / "checkpoints" / "1")), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -140,11 +136,29 @@ def test_killed_and_resumed_evaluation_reports_what_an_uninterrupted_one_does(mo
     written = kept.count(b"\n")
     assert 2 <= written < PROBLEMS, f"the kill came too late to test a resume ({written} problems written)"
     assert not (b / "results.json").exists()
-
     out = run(evaluate_cmd(wd, b, "--checkpoint", str(wd / "checkpoints" / "1")))
     assert first.read_bytes().startswith(kept)  # the problems written before the kill were kept, not re-run
+    return out
+
+
+def test_killed_and_resumed_evaluation_reports_what_an_uninterrupted_one_does(model, tmp_path):
+    wd, hf = model
+    a = tmp_path / "a"  # the uninterrupted evaluation, meanwhile (its own server, its own outputs)
+    log = tmp_path / "a.console"  # a file, not a pipe: nobody reads it while the other evaluation runs
+    with open(log, "w") as console:
+        uninterrupted = subprocess.Popen(evaluate_cmd(wd, a, "--model_dir", str(hf)), cwd=ROOT, stdout=console,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        b = tmp_path / "b"
+        out = killed_and_resumed(wd, b)
+        assert uninterrupted.wait(timeout=600) == 0, log.read_text()[-6000:]
+    finally:
+        if uninterrupted.poll() is None:
+            os.killpg(uninterrupted.pid, signal.SIGKILL)
+            uninterrupted.wait()
     assert "toy SAAR off" in out.stderr  # the progress bar of each benchmark and SAAR setting
     assert results_without_timing(a) == results_without_timing(b)
+
     assert metric_table(a) == metric_table(b)
     sizes = {"toy": PROBLEMS, "gpqa_diamond": len(GPQA_ROWS), "livecodebench": len(LCB_ROWS)}
     for bench, size in sizes.items():

@@ -38,11 +38,13 @@ SMALL = [
 
 
 def _cmd(workdir: Path, steps: int, cache: Path, extra: list[str]) -> list[str]:
-    # the warm start is built once (by the one-process run) and fetched by the other: the fit on 4
-    # devices and on process 0's 2 devices would differ in the last bits, and so would the rollouts
+    # the warm start is built once (by the 2-process run) and fetched by the other: the fit on 4
+    # devices and on process 0's 2 devices would differ in the last bits, and so would the rollouts.
+    # One compilation cache for the runs: the resume and the embedded servers load what was compiled
+    # (the same programs, so the same numbers: tests/test_compile_cache.py)
     return [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"),
             "--workdir", str(workdir), f"--config.train.steps={steps}", f"--config.warmup_sft.cache_dir={cache}",
-            *SMALL, *extra]
+            f"--config.train.compilation_cache_dir={cache.parent / 'xla_cache'}", *SMALL, *extra]
 
 
 def _env(devices: int) -> dict[str, str]:

@@ -106,6 +106,9 @@ def test_toy_run_writes_events_checkpoint_dumps_and_eval(uninterrupted):
     assert (wd / "eval" / "step_000002" / "results.md").read_text().startswith("# evaluation at step 2")
 
 
+# slow: tests/test_trainer_kill.py's seeded kills (default suite) check the same resume, killed in
+# chosen phases, against every metric exactly
+@pytest.mark.slow
 def test_kill_and_resume_repeats_the_next_step_exactly(uninterrupted, tmp_path):
     wd = tmp_path / "toy_b"
     proc = subprocess.Popen(train_cmd(wd, steps=3), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -6,6 +6,7 @@ export (opened via file://) against the served list. Screenshots are saved under
 
 Needs /usr/bin/chromium (`apt-get install -y chromium`; .ci/run installs it) and the dev
 extra's playwright, which must not download browsers of its own."""
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from _viz_common import scripted_step
+from test_console import console_run
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.viz.dumps import list_steps, read_step, token_pieces, write_step
 from cleaner_jax.viz.serve import serve_in_thread
@@ -21,19 +23,15 @@ from cleaner_jax.viz.serve import serve_in_thread
 pytestmark = pytest.mark.browser
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ["--config.train.steps=1", "--config.warmup_sft.steps=2", "--config.warmup_sft.examples=8",
-       "--config.warmup_sft.batch_size=4", "--config.algo.prompts_per_step=2", "--config.algo.group_size=2",
-       "--config.algo.micro_batch_size=4", "--config.train.eval_every=0", "--config.sandbox.workers=2"]
 SCRIPTED_STEP = 2  # after the toy run's step 1
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A real 1-step toy run (its dumps and plots), plus a scripted step written by the same writer."""
-    wd = tmp_path_factory.mktemp("viz_run")
-    proc = subprocess.run([sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"),
-                           "--workdir", str(wd), *TOY], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """A real 1-step toy run (its dumps and plots: the session's `console_run`, copied), plus a
+    scripted step written by the same writer."""
+    wd = tmp_path_factory.mktemp("viz_run") / "run"
+    shutil.copytree(console_run(tmp_path_factory)[0], wd)
     tok = build_tokenizer(tempfile.mkdtemp(), "qwen3")
     s = scripted_step(tok)
     write_step(wd, SCRIPTED_STEP, s.scored, advantages=s.advantages, gamma=0.5, pieces=token_pieces(tok),
