@@ -38,7 +38,7 @@ from cleaner_jax.models.params import ExportFailedError, NonFiniteWeightsError
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
 from cleaner_jax.rl.step import rl_step_with_old_logprobs, valid_rows
-from cleaner_jax.rollout.client import RolloutServerError
+from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.rollout.weight_sync import SyncReport, WeightSyncError, export_checkpoint, fixed_reference, sync_weights
 from cleaner_jax.session import Session, export_root

@@ -25,7 +25,8 @@ from safetensors.numpy import load_file
 from _configs import load_config
 from _rollout_common import call, checkpoint
 from cleaner_jax.config import ConfigError, validate
-from cleaner_jax.rollout.client import RolloutServerError, SGLangClient
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.server import start_server_in_thread
 from cleaner_jax.session import XLA_MEMORY_ENV, apply_xla_memory, xla_memory_env

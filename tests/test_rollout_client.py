@@ -12,7 +12,8 @@ from typing import Callable
 import pytest
 from aiohttp import web
 
-from cleaner_jax.rollout.client import RolloutRequestError, RolloutServerError, ServerLostError, SGLangClient
+from cleaner_jax.rollout.client import ServerLostError, SGLangClient
+from cleaner_jax.rollout.sglang_answers import RolloutRequestError, RolloutServerError
 from cleaner_jax.rollout.fleet import free_loopback_port
 
 

@@ -277,7 +277,7 @@ def test_cli_server_killed_mid_request_gives_clear_error():
     import subprocess
     import sys
 
-    from cleaner_jax.rollout.client import RolloutServerError
+    from cleaner_jax.rollout.sglang_answers import RolloutServerError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,7 +34,8 @@ import pytest
 from aiohttp import web
 
 from _rollout_common import checkpoint
-from cleaner_jax.rollout.client import ROUTING_KEY_HEADER, RolloutServerError, SGLangClient
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.sglang_answers import ROUTING_KEY_HEADER, RolloutServerError
 from cleaner_jax.rollout.fleet import EmbeddedServerProcess, free_loopback_port
 from cleaner_jax.testing.http import http_call
 

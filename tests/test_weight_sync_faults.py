@@ -23,7 +23,8 @@ from safetensors.numpy import load_file, save_file
 from _rollout_common import call, checkpoint, engine, hf_logprobs, workdir
 from cleaner_jax.models import qwen
 from cleaner_jax.models.params import NonFiniteWeightsError
-from cleaner_jax.rollout.client import InvalidLogprobsError, RolloutServerError, SGLangClient, to_gen_output
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.sglang_answers import InvalidLogprobsError, RolloutServerError, to_gen_output
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.fleet import free_loopback_port
 from cleaner_jax.rollout.server import start_server_in_thread

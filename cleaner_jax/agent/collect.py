@@ -35,7 +35,7 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rl.advantages import groups_still_needed, informative_groups
-from cleaner_jax.rollout.client import RolloutServerError
+from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.protocol import Generate, GenOutput, Rescorer
 from cleaner_jax.saar.metrics import step_metrics
 from cleaner_jax.trajectory import ScoredEpisode

@@ -33,7 +33,8 @@ from typing import Any, Awaitable, Callable, Sequence
 from safetensors import SafetensorError, safe_open
 
 from cleaner_jax.models import params
-from cleaner_jax.rollout.client import InvalidLogprobsError, RolloutRequestError, RolloutServerError, SGLangClient
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.sglang_answers import InvalidLogprobsError, RolloutRequestError, RolloutServerError
 
 log = logging.getLogger(__name__)
 
