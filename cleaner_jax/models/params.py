@@ -295,7 +295,7 @@ def save_model(
     nproc, me = (jax.process_count(), jax.process_index()) if collective else (1, 0)
     t_gather = t_write = 0.0
     t0 = time.perf_counter()
-    _check_finite(model)  # collective if the parameters are; every process raises alike
+    _check_finite(model, collective)  # every process raises alike
     t_gather += time.perf_counter() - t0
     table = param_table(cfg)
     _check_table_matches_model(table, state)
@@ -446,16 +446,15 @@ def _all_finite_fn(out_sharding: jax.sharding.Sharding | None):
     return jax.jit(all_finite, static_argnums=1, out_shardings=out_sharding)
 
 
-def _check_finite(model: Qwen) -> None:
+def _check_finite(model: Qwen, collective: bool) -> None:
     """Raise NonFiniteWeightsError naming every parameter with a NaN or Inf (checked on device,
-    one small transfer; collective when the arrays span several processes)."""
+    one small transfer; `collective`: the arrays span several processes, and every process runs it)."""
     state = nnx.state(model, nnx.Param)
     table = param_table(model.config)
     paths = list(dict.fromkeys(e.path for e in table))
     leaves = [_get_nested(state, p) for p in paths]
     stacked = tuple(any(e.layer is not None for e in table if e.path == p) for p in paths)
-    local = all(x.is_fully_addressable for x in leaves)
-    out = _all_finite_fn(None if local else _replicated(leaves[0], "the finiteness check"))(leaves, stacked)
+    out = _all_finite_fn(_replicated(leaves[0], "the finiteness check") if collective else None)(leaves, stacked)
     ok = {p: np.asarray(v) for p, v in zip(paths, out)}  # replicated: readable on every process
     bad = [e.hf_name for e in table if not (ok[e.path] if e.layer is None else ok[e.path][e.layer])]
     if bad:
