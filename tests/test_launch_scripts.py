@@ -239,6 +239,72 @@ def test_bad_arguments_are_named_even_in_a_dry_run(script, args, message):
     assert message in out.stderr
 
 
+
+@pytest.mark.parametrize("script,args", [
+    ("sglang_servers.sh", ["--log-dir"]),
+    ("sglang_servers.sh", ["--log-dir", "", "/m"]),
+    ("router.sh", ["http://h:1", "--port"]),
+    ("learner_node.sh", ["--server-urls", "http://h:1", "--shared-dir"]),
+])
+def test_an_option_without_its_value_stops_with_the_usage(script, args):
+    out = run(script, "--dry-run", *args)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert f"usage: {LAUNCH / script} " in out.stderr and not out.stdout
+
+
+@pytest.mark.parametrize("script,args,unknown", [
+    ("sglang_servers.sh", ["--bogus", "/m"], "--bogus"),
+    ("sglang_servers.sh", ["--", "/m"], "--"),  # no pass-through: `--` is not an option of it
+    ("train_single_node.sh", ["--", "c", "m", "d", "w"], "--"),
+    ("router.sh", ["http://h:1", "--nope"], "--nope"),
+    ("learner_node.sh", ["--server-urls", "http://h:1", "--what", "c", "m", "d", "w"], "--what"),
+])
+def test_an_unknown_option_is_named_with_the_usage(script, args, unknown):
+    out = run(script, "--dry-run", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"{script}: unknown option {unknown}; usage: " in out.stderr
+
+
+@pytest.mark.parametrize("script,args", [
+    ("sglang_servers.sh", ["-h"]), ("router.sh", ["--help"]), ("learner_node.sh", ["-h"]),
+    ("train_single_node.sh", ["--help", "--bogus"]),
+])
+def test_help_prints_the_usage_and_runs_nothing(script, args):
+    out = run(script, *args)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: {LAUNCH / script} [--dry-run] ") and out.stdout.count("\n") == 1
+
+
+def test_options_and_arguments_mix_where_the_script_passes_words_through():
+    """router.sh and learner_node.sh take options after their arguments too; the words after `--`
+    go to the program as they are, options included."""
+    out = run("router.sh", "--dry-run", "http://a:1", "--port", "5", "http://b:2,http://c:3", "--", "--port", "6")
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.splitlines()[0][2:].split(" >")[0])
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == ["http://a:1", "http://b:2", "http://c:3"]
+    assert cmd[cmd.index("--port") + 1] == "5" and cmd[-2:] == ["--port", "6"]
+    assert out.stdout.splitlines()[1] == "http://127.0.0.1:5"
+    out = run("learner_node.sh", "--dry-run", "c", "--server-urls", "http://h:1", "m", "--shared-dir", "/s", "d", "w",
+              "--", "--config.train.steps=2")
+    assert out.returncode == 0, out.stderr
+    cmd = shlex.split(out.stdout.splitlines()[0][2:])
+    assert cmd[cmd.index("--config") + 1] == "c" and cmd[cmd.index("--workdir") + 1] == "w"
+    assert "--config.model.path=m" in cmd and "--config.data.train=d" in cmd and cmd[-1] == "--config.train.steps=2"
+
+
+def test_servers_take_their_arguments_after_the_options_only():
+    """sglang_servers.sh stops reading options at MODEL_DIR: an option after it is a positional word."""
+    out = run("sglang_servers.sh", "--dry-run", "/m", "1", "--log-dir")
+    assert out.returncode == 2
+    assert "FIRST_PORT must be an integer, got '--log-dir'" in out.stderr
+
+
+def test_a_switch_given_twice_is_passed_twice():
+    out = run("train_single_node.sh", "--dry-run", "--deterministic-inference", "--deterministic-inference",
+              "c", "m", "d", "w", "1", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].count(" --enable-deterministic-inference") == 2
+
 # ----------------------------------------------------------------------------- cleanup
 
 
@@ -325,3 +391,38 @@ def test_train_single_node_stops_its_servers_when_the_trainer_ends(tmp_path, sta
         for p in servers:
             if psutil.pid_exists(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def _stand_in_bin(tmp_path: Path, python: str, curl_status: int) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\n" + python)
+    (bin_dir / "curl").write_text(f"#!/bin/sh\nexit {curl_status}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STOP_GRACE_S": "1"}
+
+
+def test_a_router_that_exits_before_it_is_ready_is_named_with_its_log(tmp_path):
+    env = _stand_in_bin(tmp_path, 'case "$*" in *launch_router*) echo "bind failed: port taken"; exit 3 ;; esac\n',
+                        curl_status=7)  # never ready
+    port = free_loopback_port()
+    out = run("router.sh", "--port", str(port), "--log-dir", str(tmp_path / "logs"), "http://127.0.0.1:1",
+              env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"exited before http://127.0.0.1:{port}/readiness answered; see {tmp_path}/logs/router.log" in out.stderr
+    assert "bind failed: port taken" in out.stderr  # the end of its log, to see why
+    assert not out.stdout  # no URL: nothing is ready
+
+
+def test_train_single_node_names_a_servers_launcher_that_failed(tmp_path):
+    """sglang_servers.sh dies on its prerequisite check: the run stops, with that script's message,
+    before any trainer starts."""
+    env = _stand_in_bin(tmp_path, 'case "$*" in *"import sglang"*) exit 1 ;; *cleaner_jax.train*) touch trained ;; '
+                                  'esac\nexit 0\n', curl_status=0)
+    out = subprocess.run(["bash", str(LAUNCH / "train_single_node.sh"), "c", "m", "d", "w", "1", "2"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "launch/sglang_servers.sh exited before its servers were healthy; see logs/" in out.stderr
+    assert "prerequisite: python package 'sglang' is not importable by python" in out.stderr
+    assert not (tmp_path / "trained").exists()
