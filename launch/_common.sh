@@ -6,9 +6,9 @@
 # (setsid: its pid is its process-group id), so the exit trap can stop that process and the
 # children it spawned (SGLang's scheduler and detokenizer) and nothing else.
 #
-# A script sets DRY_RUN=1 for --dry-run: `run_bg` and `run_fg` then print each command line
-# (`+ ` and the quoted argv, then the log redirection if any) on stdout instead of running it,
-# and the prerequisite checks are skipped (run without --dry-run on the node to check it).
+# `parse_args` sets DRY_RUN=1 for --dry-run: `run_bg` then prints each command line (`+ ` and
+# the quoted argv, then the log redirection if any) on stdout instead of running it, and the
+# scripts skip their prerequisite checks (run without --dry-run on the node to check it).
 
 DRY_RUN=${DRY_RUN:-0}
 STARTED_PIDS=()
@@ -36,6 +36,77 @@ quote_cmd() {
   done
   printf '%s' "${out% }"
 }
+
+# ----------------------------------------------------------------------------- arguments
+
+# parse_args USAGE MODE SPEC... -- WORD...: the option loop of every script, so that a script
+# lists only its own options and what its other words are. Common to all: --dry-run (DRY_RUN=1),
+# -h/--help (USAGE on stdout, exit 0), and any other --word is an unknown option (exit 2).
+#   SPEC --name=VAR          an option with a value: VAR is set to the next word; a missing or
+#                            empty one exits 1 with USAGE (bash's own ${2:?} message)
+#   SPEC --name+ARRAY=WORD   a switch: WORD is appended to the script's array ARRAY, once per use
+#   MODE leading             the first other word ends the options: it and every word after it
+#                            are ARGS (`--` is an unknown option)
+#   MODE mixed               other words are ARGS wherever they stand, and the words after `--`
+#                            are PASSTHROUGH (for the program the script starts)
+# Sets the arrays ARGS and PASSTHROUGH.
+parse_args() {
+  local _usage=$1 _mode=$2 _spec _specs=() _rest
+  shift 2
+  while [[ "$1" != -- ]]; do
+    _specs+=("$1")
+    shift
+  done
+  shift
+  ARGS=()
+  PASSTHROUGH=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --dry-run) DRY_RUN=1; shift; continue ;;
+      -h|--help) echo "$_usage"; exit 0 ;;
+      --) if [[ "$_mode" == mixed ]]; then shift; PASSTHROUGH=("$@"); return 0; fi ;;
+      --*) ;;
+      *)
+        if [[ "$_mode" == leading ]]; then ARGS=("$@"); return 0; fi
+        ARGS+=("$1"); shift; continue ;;
+    esac
+    for _spec in ${_specs[@]+"${_specs[@]}"}; do
+      if [[ "$_spec" == "$1="* ]]; then
+        printf -v "${_spec#*=}" '%s' "${2:?$_usage}"
+        shift 2
+        continue 2
+      elif [[ "$_spec" == "$1+"* ]]; then
+        _rest=${_spec#*+}
+        eval "${_rest%%=*}+=(\"\${_rest#*=}\")"  # the array a script named in its own SPEC
+        shift
+        continue 2
+      fi
+    done
+    die "unknown option $1; $_usage"
+  done
+}
+
+# check_urls WHAT URL...: every URL is http(s)://HOST:PORT (no path), or die naming the first
+# that is not (WHAT: whose URLs they are, as the message says).
+check_urls() {
+  local what=$1 u
+  shift
+  for u in "$@"; do
+    [[ "$u" =~ ^https?://[^/]+$ ]] || die "$what URL '$u' is not of the form http://HOST:PORT"
+  done
+}
+
+# bind_address PYTHON IFACE HOST: the address a server binds (--interface IFACE | --host HOST):
+# IFACE's IPv4 address when IFACE is given, else HOST, else 127.0.0.1 (this node only).
+bind_address() {
+  if [[ -n "$2" ]]; then
+    iface_addr "$1" "$2"
+  else
+    echo "${3:-127.0.0.1}"
+  fi
+}
+
+# ----------------------------------------------------------------------------- processes
 
 # run_bg LOG CMD...: start CMD in its own session with stdout+stderr to LOG; its pid is
 # appended to STARTED_PIDS (and left in LAST_PID). In a dry run: print the line only.
@@ -132,22 +203,35 @@ print(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", sys.a
   echo "$addr"
 }
 
-# wait_healthy URL PID TIMEOUT_S LOG: until URL/health answers 200; dies if PID exits first
-# (showing the end of LOG) or the time runs out.
-wait_healthy() {
-  local url=$1 pid=$2 timeout_s=$3 log=$4 deadline=$((SECONDS + $3))
-  while ((SECONDS < deadline)); do
-    if curl -sf --max-time 5 "$url/health" >/dev/null 2>&1; then
+# await PID LOG TIMEOUT_S EXITED TIMED_OUT CHECK...: run CHECK (output discarded) every second
+# until it succeeds. Dies with EXITED, after the last lines of LOG, when PID (if not empty) exits
+# first, and with TIMED_OUT when TIMEOUT_S seconds pass first (empty: no limit; 0: before the
+# first check), so that a start-up that failed is reported at once, with its log, and a hung one
+# in the end.
+await() {
+  local pid=$1 log=$2 timeout_s=$3 exited=$4 timed_out=$5 deadline=
+  shift 5
+  [[ -z "$timeout_s" ]] || deadline=$((SECONDS + $timeout_s))
+  while [[ -z "$deadline" ]] || ((SECONDS < deadline)); do
+    if "$@" >/dev/null 2>&1; then
       return 0
     fi
     if [[ -n "$pid" ]] && ! kill -0 "$pid" 2>/dev/null; then
       echo "--- last lines of $log:" >&2
       tail -n 30 "$log" >&2 || true
-      die "$url: the process (pid $pid) exited before /health answered"
+      die "$exited"
     fi
     sleep 1
   done
-  die "$url did not answer /health within $timeout_s s; see $log"
+  die "$timed_out"
+}
+
+# wait_healthy URL PID TIMEOUT_S LOG: until URL/health answers 200; dies if PID exits first
+# (showing the end of LOG) or the time runs out.
+wait_healthy() {
+  local url=$1 pid=$2 timeout_s=$3 log=$4
+  await "$pid" "$log" "$timeout_s" "$url: the process (pid $pid) exited before /health answered" \
+    "$url did not answer /health within $timeout_s s; see $log" curl -sf --max-time 5 "$url/health"
 }
 
 # wait_started: wait for every started process; returns the worst exit status. A process

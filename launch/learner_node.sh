@@ -41,34 +41,15 @@ gpus=""
 mem=0.9
 wait_s=600
 py=python
-positional=()
-passthrough=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1; shift ;;
-    --server-urls) servers=${2:?$usage}; shift 2 ;;
-    --shared-dir) shared=${2:?$usage}; shift 2 ;;
-    --coordinator) coord=${2:?$usage}; shift 2 ;;
-    --num-processes) nproc=${2:?$usage}; shift 2 ;;
-    --process-id) pid_=${2:?$usage}; shift 2 ;;
-    --gpus) gpus=${2:?$usage}; shift 2 ;;
-    --mem-fraction) mem=${2:?$usage}; shift 2 ;;
-    --wait-servers) wait_s=${2:?$usage}; shift 2 ;;
-    --python) py=${2:?$usage}; shift 2 ;;
-    -h|--help) echo "$usage"; exit 0 ;;
-    --) shift; passthrough=("$@"); break ;;
-    --*) die "unknown option $1; $usage" ;;
-    *) positional+=("$1"); shift ;;
-  esac
-done
-[[ ${#positional[@]} -eq 4 ]] || die "expected CONFIG MODEL_DIR TRAIN_DATA WORKDIR, got ${#positional[@]} arguments; $usage"
-config=${positional[0]}; model=${positional[1]}; data=${positional[2]}; workdir=${positional[3]}
+parse_args "$usage" mixed --server-urls=servers --shared-dir=shared --coordinator=coord \
+  --num-processes=nproc --process-id=pid_ --gpus=gpus --mem-fraction=mem --wait-servers=wait_s \
+  --python=py -- "$@"
+[[ ${#ARGS[@]} -eq 4 ]] || die "expected CONFIG MODEL_DIR TRAIN_DATA WORKDIR, got ${#ARGS[@]} arguments; $usage"
+config=${ARGS[0]}; model=${ARGS[1]}; data=${ARGS[2]}; workdir=${ARGS[3]}
 [[ -n "$servers" ]] || die "--server-urls is required (the rollout servers, comma-separated); $usage"
 [[ -n "$shared" ]] || die "--shared-dir is required (the weight exports the rollout servers read); $usage"
 IFS=, read -r -a server_list <<<"$servers"
-for u in "${server_list[@]}"; do
-  [[ "$u" =~ ^https?://[^/]+$ ]] || die "server URL '$u' is not of the form http://HOST:PORT"
-done
+check_urls server "${server_list[@]}"
 dist=()
 if [[ -n "$coord$nproc$pid_" ]]; then
   [[ -n "$coord" && -n "$nproc" && -n "$pid_" ]] \
@@ -95,6 +76,6 @@ envs=("XLA_PYTHON_CLIENT_MEM_FRACTION=$mem")
 run_bg - env "${envs[@]}" "$py" -m cleaner_jax.train --config "$config" --workdir "$workdir" \
   "--config.model.path=$model" "--config.data.train=$data" \
   --config.rollout.backend=sglang "--config.rollout.server_urls=$servers" \
-  "--config.train.weight_export_dir=$shared" ${dist[@]+"${dist[@]}"} ${passthrough[@]+"${passthrough[@]}"}
+  "--config.train.weight_export_dir=$shared" ${dist[@]+"${dist[@]}"} ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
 [[ "$DRY_RUN" == 1 ]] && exit 0
 wait_started

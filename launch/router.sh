@@ -42,34 +42,17 @@ prom_port=29000
 policy=manual
 log_dir=logs
 py=python
+parse_args "$usage" mixed --interface=iface --host=host --port=port --prometheus-port=prom_port \
+  --policy=policy --log-dir=log_dir --python=py -- "$@"
 workers=()
-passthrough=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1; shift ;;
-    --interface) iface=${2:?$usage}; shift 2 ;;
-    --host) host=${2:?$usage}; shift 2 ;;
-    --port) port=${2:?$usage}; shift 2 ;;
-    --prometheus-port) prom_port=${2:?$usage}; shift 2 ;;
-    --policy) policy=${2:?$usage}; shift 2 ;;
-    --log-dir) log_dir=${2:?$usage}; shift 2 ;;
-    --python) py=${2:?$usage}; shift 2 ;;
-    -h|--help) echo "$usage"; exit 0 ;;
-    --) shift; passthrough=("$@"); break ;;
-    --*) die "unknown option $1; $usage" ;;
-    *) IFS=, read -r -a more <<<"$1"; workers+=("${more[@]}"); shift ;;
-  esac
+for words in ${ARGS[@]+"${ARGS[@]}"}; do
+  IFS=, read -r -a more <<<"$words"
+  workers+=("${more[@]}")
 done
 [[ ${#workers[@]} -gt 0 ]] || die "no worker URL given; $usage"
 [[ -z "$iface" || -z "$host" ]] || die "--interface and --host are exclusive"
-for u in "${workers[@]}"; do
-  [[ "$u" =~ ^https?://[^/]+$ ]] || die "worker URL '$u' is not of the form http://HOST:PORT"
-done
-
-if [[ -n "$iface" ]]; then
-  host=$(iface_addr "$py" "$iface")
-fi
-host=${host:-127.0.0.1}
+check_urls worker "${workers[@]}"
+host=$(bind_address "$py" "$iface" "$host")
 
 if [[ "$DRY_RUN" != 1 ]]; then
   need_cmd curl "the readiness check polls the router's /readiness"
@@ -85,21 +68,15 @@ run_bg "$log_dir/router.log" "$py" -m sglang_router.launch_router --host "$host"
   --worker-urls "${workers[@]}" "${policy_flags[@]}" \
   --prometheus-host "$host" --prometheus-port "$prom_port" \
   --health-check-interval-secs 5 --health-failure-threshold 2 --cb-failure-threshold 3 \
-  --request-timeout-secs 3600 ${passthrough[@]+"${passthrough[@]}"}
+  --request-timeout-secs 3600 ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
 url="http://$host:$port"
 if [[ "$DRY_RUN" == 1 ]]; then
   echo "$url"
   exit 0
 fi
-pid=$LAST_PID
-deadline=$((SECONDS + 1800))
-until curl -sf --max-time 5 "$url/readiness" >/dev/null 2>&1; do
-  if ! kill -0 "$pid" 2>/dev/null; then
-    tail -n 30 "$log_dir/router.log" >&2 || true
-    die "the router (pid $pid) exited before $url/readiness answered; see $log_dir/router.log"
-  fi
-  ((SECONDS < deadline)) || die "$url/readiness did not answer within 1800 s (are the workers up?); see $log_dir/router.log"
-  sleep 1
-done
+await "$LAST_PID" "$log_dir/router.log" 1800 \
+  "the router (pid $LAST_PID) exited before $url/readiness answered; see $log_dir/router.log" \
+  "$url/readiness did not answer within 1800 s (are the workers up?); see $log_dir/router.log" \
+  curl -sf --max-time 5 "$url/readiness"
 echo "$url"
 wait_started

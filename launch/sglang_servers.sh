@@ -39,22 +39,10 @@ urls_file=""
 log_dir=logs
 py=python
 mem=0.6
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1; shift ;;
-    --deterministic-inference) extra+=(--enable-deterministic-inference); shift ;;
-    --interface) iface=${2:?$usage}; shift 2 ;;
-    --host) host=${2:?$usage}; shift 2 ;;
-    --shared-dir) shared=${2:?$usage}; shift 2 ;;
-    --urls-file) urls_file=${2:?$usage}; shift 2 ;;
-    --log-dir) log_dir=${2:?$usage}; shift 2 ;;
-    --python) py=${2:?$usage}; shift 2 ;;
-    --mem-fraction) mem=${2:?$usage}; shift 2 ;;
-    -h|--help) echo "$usage"; exit 0 ;;
-    --*) die "unknown option $1; $usage" ;;
-    *) break ;;
-  esac
-done
+parse_args "$usage" leading --interface=iface --host=host --shared-dir=shared --urls-file=urls_file \
+  --log-dir=log_dir --python=py --mem-fraction=mem \
+  --deterministic-inference+extra=--enable-deterministic-inference -- "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 model=${1:?$usage}
 gpus=${2:-4}
 port0=${3:-30000}
@@ -62,11 +50,7 @@ dtype=${4:-float16}
 [[ -z "$iface" || -z "$host" ]] || die "--interface and --host are exclusive"
 [[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "NUM_GPUS must be a positive integer, got '$gpus'"
 [[ "$port0" =~ ^[0-9]+$ ]] || die "FIRST_PORT must be an integer, got '$port0'"
-
-if [[ -n "$iface" ]]; then
-  host=$(iface_addr "$py" "$iface")
-fi
-host=${host:-127.0.0.1}
+host=$(bind_address "$py" "$iface" "$host")
 
 if [[ "$DRY_RUN" != 1 ]]; then
   need_cmd curl "the readiness check polls each server's /health"

@@ -16,15 +16,8 @@ source "$here/_common.sh"
 
 usage="usage: $0 [--dry-run] [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS] [TOTAL_GPUS]"
 det=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --dry-run) DRY_RUN=1; shift ;;
-    --deterministic-inference) det+=(--deterministic-inference); shift ;;
-    -h|--help) echo "$usage"; exit 0 ;;
-    --*) die "unknown option $1; $usage" ;;
-    *) break ;;
-  esac
-done
+parse_args "$usage" leading --deterministic-inference+det=--deterministic-inference -- "$@"
+set -- ${ARGS[@]+"${ARGS[@]}"}
 config=${1:?$usage}
 model=${2:?$usage}; data=${3:?$usage}; workdir=${4:?$usage}
 rollout=${5:-2}; total=${6:-4}
@@ -32,14 +25,17 @@ rollout=${5:-2}; total=${6:-4}
 learner_gpus=$(seq -s, "$rollout" $((total - 1)))
 servers=("$here/sglang_servers.sh" ${det[@]+"${det[@]}"})
 
-if [[ "$DRY_RUN" == 1 ]]; then
-  out=$("${servers[@]}" --dry-run "$model" "$rollout" 30000 float16)
-  printf '%s\n' "$out" | sed '$d'  # the servers' command lines
-  urls=$(printf '%s\n' "$out" | tail -n 1)
+start_trainer() {  # start_trainer URLS: the learner on the GPUs the servers leave
   run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
     python -m cleaner_jax.train --config "$config" --workdir "$workdir" \
     "--config.model.path=$model" "--config.data.train=$data" \
-    --config.rollout.backend=sglang "--config.rollout.server_urls=$urls"
+    --config.rollout.backend=sglang "--config.rollout.server_urls=$1"
+}
+
+if [[ "$DRY_RUN" == 1 ]]; then
+  out=$("${servers[@]}" --dry-run "$model" "$rollout" 30000 float16)
+  printf '%s\n' "$out" | sed '$d'  # the servers' command lines
+  start_trainer "$(printf '%s\n' "$out" | tail -n 1)"
   exit 0
 fi
 
@@ -49,16 +45,9 @@ install_cleanup
 STOP_GRACE_S=60  # longer than the servers' launcher takes to stop its servers (its own grace)
 urls_file=$(mktemp)
 run_bg logs/sglang_servers.log "${servers[@]}" --urls-file "$urls_file" "$model" "$rollout" 30000 float16
-servers_pid=$LAST_PID
-until [[ -s "$urls_file" ]]; do
-  kill -0 "$servers_pid" 2>/dev/null \
-    || { tail -n 30 logs/sglang_servers.log >&2; die "launch/sglang_servers.sh exited before its servers were healthy; see logs/"; }
-  sleep 1
-done
+await "$LAST_PID" logs/sglang_servers.log "" \
+  "launch/sglang_servers.sh exited before its servers were healthy; see logs/" "" test -s "$urls_file"
 urls=$(cat "$urls_file")
 rm -f -- "$urls_file"
-run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-  python -m cleaner_jax.train --config "$config" --workdir "$workdir" \
-  "--config.model.path=$model" "--config.data.train=$data" \
-  --config.rollout.backend=sglang "--config.rollout.server_urls=$urls"
+start_trainer "$urls"
 wait "$LAST_PID"
