@@ -50,3 +50,34 @@ def test_a_run_without_any_known_scalar_writes_no_plot(tmp_path):
     with MetricsWriter(tmp_path / "tb") as w:
         w.write(1, {"time/rollout_s": 1.0})
     assert plot_run(tmp_path) == []
+
+
+def test_a_run_and_a_study_draw_their_curves_alike(tmp_path, monkeypatch):
+    """The end-of-run plots and a study's plots share one look (viz/figure.py): a dot at each step
+    of the same size, integer step ticks, a grid and a legend; only the study adds its band."""
+    from cleaner_jax.study import plots as study_plots
+    from cleaner_jax.viz import figure
+
+    axes = {}
+    save = figure.save
+
+    def keep(fig, ax, path, **kw):  # the axes as written (styled by save; closed figures keep them)
+        written = save(fig, ax, path, **kw)
+        axes[path.name] = (ax.get_lines(), len(ax.collections), ax.get_legend() is not None,
+                           ax.xaxis.get_major_locator(), any(g.get_visible() for g in ax.get_xgridlines()))
+        return written
+
+    monkeypatch.setattr(figure, "save", keep)
+    with MetricsWriter(tmp_path / "run" / "tb") as w:
+        for step, row in ROWS.items():
+            w.write(step, row)
+    plot_run(tmp_path / "run")
+    seeds = [([1, 2], [0.1, 0.3]), ([1, 2], [0.2, 0.2])]
+    assert study_plots.plot_metric(tmp_path / "study.png", "acc", "acc", {"a": seeds})
+    (run_line,), run_bands, *run_rest = axes["reward.png"]
+    (study_line,), study_bands, *study_rest = axes["study.png"]
+    assert (run_line.get_marker(), run_line.get_markersize()) == (study_line.get_marker(), study_line.get_markersize())
+    assert run_line.get_marker() not in (None, "None", "")
+    assert (run_bands, study_bands) == (0, 1)  # the study's ± one std band
+    for has_legend, locator, grid in (run_rest, study_rest):
+        assert has_legend and grid and locator.tick_values(0.0, 3.0).tolist() == [0.0, 1.0, 2.0, 3.0]
