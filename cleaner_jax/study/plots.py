@@ -34,7 +34,7 @@ def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Cur
         steps, mean, std = band(curves)
         if not np.isfinite(mean).any():
             continue
-        line, = ax.plot(steps, mean, marker="o", markersize=3, label=f"{arm} (n={len(curves)})")
+        line = figure.curve(ax, steps, mean, f"{arm} (n={len(curves)})")
         ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
         drawn = True
     if drawn:

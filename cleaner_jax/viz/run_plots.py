@@ -84,7 +84,7 @@ def plot_run(workdir: str | Path) -> list[Path]:
         for tag, label, transform in present:
             steps, values = scalars[tag]
             ys = _error_rate(scalars, steps, values) if transform == "error_rate" else values
-            ax.plot(steps, ys, marker="o", ms=3, label=label)
+            figure.curve(ax, steps, ys, label)
         written.append(figure.save(fig, ax, out_dir / name, title=title, xlabel="step", ylabel=ylabel))
     log.info("wrote %d plots under %s", len(written), out_dir)
     return written
