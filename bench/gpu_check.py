@@ -14,7 +14,7 @@ Phases (`PHASES`; GPU shapes, `--tiny` shrinks every one):
   train_8k     `Learner.train_step` at 4B width with 4 layers, remat full, float16 compute, at 8,192
   train_23k    and 23,040 tokens: compile s, step s, peak bytes, tokens/s, MFU, extrapolated to 36 layers
   lm_head      the LM-head log-prob + entropy (forward and backward) at each chunk size: ms, bytes
-  export       `params.save_model` f32 vs bf16, to DIR and to /dev/shm: s, GB/s, scaled to 36 layers
+  export       `params.save_pretrained` f32 vs bf16, to DIR and to /dev/shm: s, GB/s, scaled to 36 layers
   rollout      the embedded engine on a Qwen3-0.6B shape at batch 1/16/64: tokens/s
 
 Every line has "phase" and "status" ("ok", "skipped: <why>", "error", "timeout"); a phase that
@@ -146,7 +146,8 @@ def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 def _qwen(name: str, **overrides: Any) -> Any:
     from flax import nnx
 
-    from cleaner_jax.models.qwen import Qwen, QwenConfig
+    from cleaner_jax.models.config import QwenConfig
+    from cleaner_jax.models.qwen import Qwen
 
     cfg = QwenConfig.from_hf(dict(SHAPES[name], **{k: v for k, v in overrides.items() if k == "vocab_size"}),
                              **{k: v for k, v in overrides.items() if k != "vocab_size"})
@@ -354,7 +355,7 @@ def phase_export(s: Sizes, emit: Emitter, out: Path) -> None:
             timings: dict[str, float] = {}
             t0 = time.perf_counter()
             try:
-                params.save_model(model, where, dtype=dtype, timings=timings)
+                params.save_pretrained(model, where, dtype=dtype, timings=timings)
                 total = time.perf_counter() - t0
                 written = sum(f.stat().st_size for f in where.iterdir() if f.suffix == ".safetensors")
             finally:
@@ -375,7 +376,7 @@ def phase_rollout(s: Sizes, emit: Emitter, out: Path) -> None:
     model = _qwen(s.rollout_model, param_dtype="bfloat16", compute_dtype="bfloat16")
     ckpt = out / "rollout_ckpt"
     try:
-        params.save_model(model, ckpt)
+        params.save_pretrained(model, ckpt)
         (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
         del model
         engine = Engine(ckpt, dtype="bfloat16", max_batch=max(s.rollout_batches), decode_backend="xla")

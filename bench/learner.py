@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch, bucket_widths, plan_micro_batches
 from cleaner_jax.rl import learner as learner_mod
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
@@ -160,7 +160,7 @@ def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
         hf = tiny_config("qwen3", **bc.overrides)
-        learner = Learner(qwen.from_pretrained(path), LearnerConfig(
+        learner = Learner(params.from_pretrained(path), LearnerConfig(
             loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
             micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
         batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
@@ -259,7 +259,7 @@ def bench_overhead(bc: BenchConfig, steps: int, rounds: int) -> list[tuple[str, 
                              logprob_chunk_size=min(1024, bc.seq))
         rows = []
         # loss scaling: float16 compute (f32 parameters, as the paper configs) with and without the scale
-        fp16 = Learner(qwen.from_pretrained(path, param_dtype="float32", compute_dtype="float16"), base)
+        fp16 = Learner(params.from_pretrained(path, param_dtype="float32", compute_dtype="float16"), base)
         batch16 = fp16.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
         plain16, scaled16 = _step_fn(fp16, base, False), _step_fn(fp16, base, True)
         t = _time_variants({"fp16, no loss scale": lambda: plain16(batch16),
@@ -267,7 +267,7 @@ def bench_overhead(bc: BenchConfig, steps: int, rounds: int) -> list[tuple[str, 
         ref = t["fp16, no loss scale"]
         rows += [("loss scaling", k, v, v / ref - 1) for k, v in t.items()]
         # corrections: float32, the plain step vs every correction mode, on one batch with every field
-        f32 = Learner(qwen.from_pretrained(path), base)
+        f32 = Learner(params.from_pretrained(path), base)
         batch = correction_batch(f32, make_batch(bc.batch, bc.seq, hf["vocab_size"]))
         variants = {"plain": base} | {name: replace(base, loss=replace(base.loss, **o)) for name, o in correction_variants()}
         fns = {name: (lambda f=_step_fn(f32, cfg, False): f(batch)) for name, cfg in variants.items()}
@@ -360,7 +360,7 @@ def toy_padding_run(steps: int, widths: str, counter: CompileCounter, seed: int 
     rows, minis, micro, wb = 32, 2, 4, PAPER["width_bucket"] // TOY_SCALE
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_checkpoint(tmp, "qwen3", max_position_embeddings=512)
-        learner = Learner(qwen.from_pretrained(path), LearnerConfig(
+        learner = Learner(params.from_pretrained(path), LearnerConfig(
             optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0), micro_batch_size=micro,
             logprob_micro_batch_size=micro, logprob_chunk_size=64, bucket_widths=widths))
         rng = np.random.default_rng(seed)

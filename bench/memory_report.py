@@ -131,7 +131,8 @@ def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layer
     from jax.sharding import NamedSharding, PartitionSpec
 
     from cleaner_jax.models import sharding
-    from cleaner_jax.models.qwen import Qwen, QwenConfig
+    from cleaner_jax.models.config import QwenConfig
+    from cleaner_jax.models.qwen import Qwen
     from cleaner_jax.rl import learner as learner_mod
     from cleaner_jax.rl.batch import Batch
     from cleaner_jax.rl.learner import LearnerConfig

@@ -2,7 +2,7 @@
 
 Run: `.venv/bin/python bench/model_step.py [--quick] [--dtype bfloat16] [--remat dots]`.
 Both frameworks use the same random weights (written once by transformers, loaded by
-`cleaner_jax.models.qwen.from_pretrained`). Runs are interleaved (JAX, torch, JAX, torch, ...)
+`cleaner_jax.models.params.from_pretrained`). Runs are interleaved (JAX, torch, JAX, torch, ...)
 after warm-up and medians are reported, because the CPU is shared and timings drift.
 
 `--threads 1` runs both frameworks single-threaded and is the fair, steady comparison on a
@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
-from cleaner_jax.models import qwen  # noqa: E402
+from cleaner_jax.models import params, qwen  # noqa: E402
 from cleaner_jax.testing.decode import greedy_decoder  # noqa: E402
 
 FULL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=5, num_attention_heads=4,
@@ -188,7 +188,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(shape, Path(tmp))
-        jmodel = qwen.from_pretrained(path, dtype=args.dtype, remat=args.remat)
+        jmodel = params.from_pretrained(path, dtype=args.dtype, remat=args.remat)
         worker = TorchWorker(path, args.dtype, args.threads, ids, prompt, new)
     try:
         n_params, torch_threads = worker.info

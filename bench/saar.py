@@ -149,10 +149,10 @@ async def run_part_a(tok: Any, episodes: int) -> None:
 
 
 async def run_part_b(tok: Any, model_dir: str, episodes: int, bucket: int) -> None:
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params
     from cleaner_jax.rollout.rescore import ModelRescorer, PrefixCachedRescorer
 
-    model = qwen.from_pretrained(model_dir)
+    model = params.from_pretrained(model_dir)
     chat = ChatFormat(tok)
     config = AgentConfig(max_prompt_tokens=1024, max_response_tokens=1000,
                          saar=SaarConfig(logprob_mode="rollout"))

@@ -51,7 +51,7 @@ def sequence_probability(logprobs: np.ndarray, positions: list[list[int]]) -> fl
 
 
 def measure(config, workdir: Path, held_problems) -> dict[str, float]:
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params
     from cleaner_jax.rl.batch import from_trajectories
     from cleaner_jax.rl.learner import Learner, LearnerConfig
     from cleaner_jax.session import Session, make_mesh, prepare_model_dir
@@ -70,7 +70,7 @@ def measure(config, workdir: Path, held_problems) -> dict[str, float]:
         held = asyncio.run(teacher_demonstrations(s.chat, s.executor, agent, held_problems, clean, seed=1))
     tok = s.chat.tokenizer
     batch = from_trajectories(held, np.ones(len(held), np.float32), pad_id=tok.pad_token_id or 0)
-    learner = Learner(qwen.from_pretrained(out, mesh=mesh), LearnerConfig(logprob_micro_batch_size=8), mesh)
+    learner = Learner(params.from_pretrained(out, mesh=mesh), LearnerConfig(logprob_micro_batch_size=8), mesh)
     logprobs = learner.logprobs(batch.input_ids, batch.attention_mask, temperature=1.0)  # [B, T], aligned
     learner.close()
     ids = np.asarray(batch.input_ids)

@@ -32,7 +32,7 @@ from cleaner_jax import distributed
 from cleaner_jax.config import ConfigError, check_override_keys, validate
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rollout.weight_sync import ContextBudgetError
 from cleaner_jax.session import Session, log_to_file, make_mesh, prepare_model_dir, use_compilation_cache
@@ -67,19 +67,19 @@ def export_checkpoint(c: ml_collections.ConfigDict, workdir: Path, checkpoint: s
     """The parameters of an Orbax training checkpoint as an HF directory; returns it and the step.
 
     The run's model directory supplies the architecture and tokenizer; a learner of the run's
-    config restores into it (the path a resumed training takes), and `qwen.save_pretrained`
+    config restores into it (the path a resumed training takes), and `params.save_pretrained`
     writes what the rollout server loads. The learner is closed before serving starts."""
     root, step = parse_checkpoint(checkpoint)
     template = prepare_model_dir(c, workdir)
     mesh = make_mesh(c)
     # The export runs no attention (so any attention_impl builds on any device); the parameter tree
     # of the checkpoint depends on scan_layers.
-    model = qwen.from_pretrained(template, mesh=mesh, param_dtype=c.model.param_dtype,
+    model = params.from_pretrained(template, mesh=mesh, param_dtype=c.model.param_dtype,
                                  compute_dtype=c.model.compute_dtype, scan_layers=c.model.scan_layers)
     learner = Learner(model, learner_config(c), mesh, checkpoint_dir=root)
     try:
         restored, _ = learner.restore(step)
-        out = qwen.save_pretrained(learner.model(), out_dir, tokenizer_from=template)
+        out = params.save_pretrained(learner.model(), out_dir, tokenizer_from=template)
     finally:
         learner.close()
     log.info("restored %s step %d and exported it to %s", root, restored, out)

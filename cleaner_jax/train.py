@@ -37,7 +37,7 @@ from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError
 from cleaner_jax.config import ConfigError, check_override_keys, check_processes, validate
 from cleaner_jax.data.sampler import ProblemSampler
-from cleaner_jax.models import qwen, sharding
+from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.checkpointing import remove_unfinished_saves
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter
@@ -103,7 +103,7 @@ class Trainer:
                         warm_cache.fetch_warm_start(c, warm_dir, build)
                 distributed.barrier("train: the warm start")
                 model_dir = warm_dir
-            model = qwen.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
+            model = params.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
                                          compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl,
                                          remat=c.model.remat, scan_layers=c.model.scan_layers)
             if main:

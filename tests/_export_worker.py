@@ -2,7 +2,7 @@
 
 Each process joins a `jax.distributed` run on a loopback coordinator with its own CPU devices
 (gloo collectives), loads a checkpoint onto one global (fsdp, tp) mesh over every process's
-devices (so tensors span both processes), and calls `params.save_model` like the trainer would,
+devices (so tensors span both processes), and calls `params.save_pretrained` like the trainer would,
 once per `--steps` entry, in order, each to OUT/<step>:
   unrolled, scanned   export that layout (`scan_layers`);
   failK@P             unrolled, but process P's write of shard file K raises, as a full disk would;
@@ -42,7 +42,7 @@ def main() -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes, args.process_id,
                                initialization_timeout=120, heartbeat_timeout_seconds=10)
-    from cleaner_jax.models import params, qwen, sharding
+    from cleaner_jax.models import params, sharding
 
     assert jax.process_count() == args.num_processes and len(jax.local_devices()) == args.local_devices
     mesh = sharding.make_mesh(2, len(jax.devices()) // 2)
@@ -70,9 +70,9 @@ def main() -> int:
             state["fail_on"] = int(k) if int(p) == args.process_id else None
         elif step == "private":
             out = args.out / step / f"p{args.process_id}"
-        model = qwen.from_pretrained(args.checkpoint, mesh=mesh, scan_layers=step == "scanned")
+        model = params.from_pretrained(args.checkpoint, mesh=mesh, scan_layers=step == "scanned")
         try:
-            out = params.save_model(model, out, max_shard_bytes=args.max_shard_bytes, tokenizer_from=args.checkpoint)
+            out = params.save_pretrained(model, out, max_shard_bytes=args.max_shard_bytes, tokenizer_from=args.checkpoint)
         except Exception as exc:
             print(f"STEP {step} FAILED {type(exc).__name__}: {exc}", flush=True)
             continue

@@ -15,7 +15,7 @@ from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rollout.rescore import ModelRescorer, PrefixCachedRescorer
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.tools.sandbox import Sandbox
@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "What is 1+2?"}]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3")
-    model = qwen.from_pretrained(path)
+    model = params.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with Sandbox(workers=1) as sb:
         # one instance each: every instance compiles its own forward

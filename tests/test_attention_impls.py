@@ -19,7 +19,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from cleaner_jax.models import layers, qwen
+from cleaner_jax.models import layers, params, qwen
 from cleaner_jax.models.config import QwenConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
@@ -135,7 +135,7 @@ def checkpoint(tmp_path_factory):
 def test_model_with_xla_causal_matches_transformers_on_right_padded_rows(checkpoint, scan_layers):
     ids = np.random.default_rng(3).integers(0, 512, (2, 14))
     mask = (np.arange(14)[None] < np.array([[14], [9]])).astype(np.int64)
-    model = qwen.from_pretrained(checkpoint, attention_impl="xla_causal", scan_layers=scan_layers)
+    model = params.from_pretrained(checkpoint, attention_impl="xla_causal", scan_layers=scan_layers)
     ours = np.asarray(nnx.jit(lambda m, x, a: m(x, attention_mask=a))(model, jnp.asarray(ids, jnp.int32),
                                                                         jnp.asarray(mask, jnp.int32)))
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

@@ -60,7 +60,7 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 def model(tmp_path_factory):
     """A tiny HF checkpoint and an Orbax training checkpoint (step 1) holding the same weights."""
     from cleaner_jax import wiring
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params
     from cleaner_jax.rl.learner import Learner
     from cleaner_jax.session import make_mesh, prepare_model_dir
     from test_config import load_config
@@ -69,7 +69,7 @@ def model(tmp_path_factory):
     c = load_config("toy")
     hf = prepare_model_dir(c, wd)  # <wd>/init_model, as a toy training writes it
     mesh = make_mesh(c)
-    learner = Learner(qwen.from_pretrained(hf, mesh=mesh), wiring.learner_config(c), mesh,
+    learner = Learner(params.from_pretrained(hf, mesh=mesh), wiring.learner_config(c), mesh,
                       checkpoint_dir=wd / "checkpoints")
     learner.save(1, {"data_position": 0})
     learner.close()

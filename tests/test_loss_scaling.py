@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cleaner_jax.config import base_config
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.checkpointing import Checkpointer
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
@@ -48,7 +48,7 @@ def learner(ckpt, dtype: str, *, checkpoint_dir=None, **scale) -> Learner:
     cfg = LearnerConfig(optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0, max_grad_norm=0.5, eps=1e-4),
                         loss_scale=LossScaleConfig(**scale), micro_batch_size=4, logprob_micro_batch_size=4,
                         logprob_chunk_size=8)
-    return Learner(qwen.from_pretrained(ckpt, param_dtype="float32", compute_dtype=dtype), cfg,
+    return Learner(params.from_pretrained(ckpt, param_dtype="float32", compute_dtype=dtype), cfg,
                    checkpoint_dir=checkpoint_dir)
 
 
@@ -283,7 +283,7 @@ def test_sharded_fp16_learner_skips_and_scales_like_one_device(ckpt, tmp_path):
 
     mesh = sharding.make_mesh(2, 2)
     cfg = learner(ckpt, "float32").cfg
-    lr = Learner(qwen.from_pretrained(ckpt, mesh=mesh, param_dtype="float32", compute_dtype="float16"), cfg,
+    lr = Learner(params.from_pretrained(ckpt, mesh=mesh, param_dtype="float32", compute_dtype="float16"), cfg,
                  mesh=mesh, checkpoint_dir=tmp_path / "ck")
     seen = [(m["skipped"], m["loss_scale"]) for m in
             (lr.train_step(make_batch(1)), lr.train_step(make_batch(2, advantage=100.0)), lr.train_step(make_batch(3)))]

@@ -118,7 +118,7 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
         record["refused"] = f"{type(err).__name__}: {err}"
     distributed.barrier("after the exchanges")
 
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params
     from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
     from cleaner_jax.rl.step import StepConfig, rl_step_with_old_logprobs
     from cleaner_jax.session import make_mesh
@@ -130,7 +130,7 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
     step_cfg = StepConfig(max_response_tokens=32, width_bucket=8)
 
     def new_learner():
-        model = qwen.from_pretrained(model_dir, mesh=mesh)
+        model = params.from_pretrained(model_dir, mesh=mesh)
         return Learner(model, cfg, mesh, checkpoint_dir=out / "checkpoints")
 
     def run_step(learner, step):
@@ -147,7 +147,7 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
         say(f"step {step}")
     learner.save(STEPS, {"data_position": 7})
     learner.wait_until_saved()
-    qwen.save_pretrained(learner.model(), out / "export")  # collective: every process calls it
+    params.save_pretrained(learner.model(), out / "export")  # collective: every process calls it
     say("checkpoint saved, weights exported")
     record["after"], _ = run_step(learner, STEPS)
     learner.close()

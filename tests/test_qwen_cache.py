@@ -8,7 +8,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params, qwen
 from cleaner_jax.testing.decode import greedy_decoder
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
@@ -17,7 +17,7 @@ from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 def case(request, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=5, with_tokenizer=False,
                                 initializer_range=0.05)  # 0.02 makes tied qwen3 repeat one token
-    return qwen.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return params.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @nnx.jit

@@ -10,7 +10,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
@@ -30,7 +30,7 @@ IDS = np.random.default_rng(0).integers(0, 512, (2, 12))
 @pytest.mark.parametrize("overrides", [dict(dtype="bfloat16"), pytest.param(dict(dtype="float16"), marks=pytest.mark.slow),
                                        dict(param_dtype="float32", compute_dtype="bfloat16")])
 def test_low_precision_runs_and_is_close_to_float32(checkpoint, hf_model, overrides):
-    model = qwen.from_pretrained(checkpoint, **overrides)
+    model = params.from_pretrained(checkpoint, **overrides)
     cfg = model.config
     assert model.layers[0].mlp.up_proj.kernel.get_value().dtype == jnp.dtype(cfg.param_dtype)
     h = nnx.jit(lambda m, x: m.hidden_states(x))(model, jnp.asarray(IDS, jnp.int32))
@@ -56,7 +56,7 @@ def next_token_loss(logits, ids):
                                    pytest.param("full", marks=pytest.mark.slow),
                                    pytest.param("dots_no_batch", marks=pytest.mark.slow)])
 def test_gradients_match_torch_autograd(checkpoint, hf_model, remat):
-    model = qwen.from_pretrained(checkpoint, remat=remat)
+    model = params.from_pretrained(checkpoint, remat=remat)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -87,13 +87,13 @@ def test_cudnn_attention_on_cpu_fails_clearly(checkpoint):
         pytest.skip("this checks the CPU error message")
     # fails when the model is built, before anything is traced, naming the config key
     with pytest.raises(RuntimeError, match=r"model\.attention_impl='cudnn'.*GPU.*'cpu'.*attention_impl='xla'"):
-        qwen.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="cudnn")
+        params.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="cudnn")
     with pytest.raises(RuntimeError, match=r"model\.attention_impl='splash'.*TPU.*'cpu'.*attention_impl='xla'"):
-        qwen.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="splash")
+        params.from_pretrained(checkpoint, dtype="bfloat16", attention_impl="splash")
 
 
 def test_bad_policy_values_are_rejected(checkpoint):
     with pytest.raises(ValueError, match="compute_dtype"):
-        qwen.from_pretrained(checkpoint, compute_dtype="float8")
+        params.from_pretrained(checkpoint, compute_dtype="float8")
     with pytest.raises(ValueError, match="remat"):
-        qwen.from_pretrained(checkpoint, remat="everything")
+        params.from_pretrained(checkpoint, remat="everything")

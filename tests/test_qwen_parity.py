@@ -8,7 +8,7 @@ from flax import nnx
 import jax.numpy as jnp
 from transformers import AutoModelForCausalLM
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params, qwen
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 CASES = {
@@ -26,7 +26,7 @@ def case(request, tmp_path_factory):
     """(our model, the transformers model) loaded from one random checkpoint."""
     family, overrides = CASES[request.param]
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family, seed=3, with_tokenizer=False, **overrides)
-    return qwen.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return params.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def hf_logits(hf_model, ids: np.ndarray, **kw) -> np.ndarray:

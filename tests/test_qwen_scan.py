@@ -50,7 +50,7 @@ def flat_params(model) -> dict[str, np.ndarray]:
 
 
 def test_scanned_model_stacks_every_layer_parameter(checkpoint):
-    model = qwen.from_pretrained(checkpoint, scan_layers=True)
+    model = params.from_pretrained(checkpoint, scan_layers=True)
     flat = flat_params(model)
     layer_keys = [k for k in flat if k.startswith("layers.")]
     assert layer_keys and all(not k.split(".")[1].isdigit() for k in layer_keys)  # no per-layer index
@@ -71,8 +71,8 @@ def test_scanned_model_stacks_every_layer_parameter(checkpoint):
 # remat the scanned forward is checked against the unrolled one by the mesh test below.
 @pytest.mark.parametrize("remat", ["full", pytest.param("none", marks=pytest.mark.slow)])
 def test_scanned_logits_match_transformers_and_the_unrolled_model(checkpoint, hf_model, remat):
-    scanned = qwen.from_pretrained(checkpoint, scan_layers=True, remat=remat)
-    unrolled = qwen.from_pretrained(checkpoint)
+    scanned = params.from_pretrained(checkpoint, scan_layers=True, remat=remat)
+    unrolled = params.from_pretrained(checkpoint)
     run = nnx.jit(lambda m, x, a: m(x, attention_mask=a))
     ids, mask = jnp.asarray(IDS, jnp.int32), jnp.asarray(MASK)
     ours = np.asarray(run(scanned, ids, mask))
@@ -89,8 +89,8 @@ def test_scanned_logits_match_transformers_and_the_unrolled_model(checkpoint, hf
                                    pytest.param("dots_no_batch", marks=pytest.mark.slow)])
 def test_scanned_gradients_match_torch_autograd_and_the_unrolled_model(checkpoint, hf_model, remat):
     """Every parameter's gradient: the stacked [L, ...] gradient's slice i is HF's layer i."""
-    scanned = qwen.from_pretrained(checkpoint, scan_layers=True, remat=remat)
-    unrolled = qwen.from_pretrained(checkpoint, remat=remat)
+    scanned = params.from_pretrained(checkpoint, scan_layers=True, remat=remat)
+    unrolled = params.from_pretrained(checkpoint, remat=remat)
     ids, mask = jnp.asarray(IDS, jnp.int32), jnp.asarray(MASK, jnp.float32)
 
     def grads_of(model):
@@ -141,7 +141,7 @@ def test_remat_runs_inside_the_scanned_body(checkpoint):
     ids = jnp.zeros((4, 256), jnp.int32)  # only traced: enough tokens that activations outweigh the weights
 
     def traced(remat: str, grad: bool):
-        graphdef, state = nnx.split(qwen.from_pretrained(checkpoint, scan_layers=True, remat=remat))
+        graphdef, state = nnx.split(params.from_pretrained(checkpoint, scan_layers=True, remat=remat))
         loss = lambda st: nnx.merge(graphdef, st)(ids).sum()  # noqa: E731
         return jax.make_jaxpr(jax.grad(loss) if grad else loss)(state)
 
@@ -162,8 +162,8 @@ def test_remat_runs_inside_the_scanned_body(checkpoint):
 
 
 def test_save_unstacks_to_the_same_hf_files(checkpoint, tmp_path):
-    scanned = qwen.from_pretrained(checkpoint, scan_layers=True)
-    out = qwen.save_pretrained(scanned, tmp_path / "out")
+    scanned = params.from_pretrained(checkpoint, scan_layers=True)
+    out = params.save_pretrained(scanned, tmp_path / "out")
     original, saved = {}, {}
     for f in sorted(checkpoint.glob("model-*.safetensors")):
         original.update(load_file(f))
@@ -173,7 +173,7 @@ def test_save_unstacks_to_the_same_hf_files(checkpoint, tmp_path):
     for name, tensor in saved.items():
         np.testing.assert_array_equal(tensor, original[name], err_msg=name)
     # and an unrolled model loads the export to the same parameters as the original files
-    a, b = flat_params(qwen.from_pretrained(out)), flat_params(qwen.from_pretrained(checkpoint))
+    a, b = flat_params(params.from_pretrained(out)), flat_params(params.from_pretrained(checkpoint))
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -192,13 +192,13 @@ def test_scanned_model_loads_onto_a_mesh_shard_by_shard(checkpoint):
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (tests/conftest.py forces 4 host devices)")
     mesh = sharding.make_mesh(2, 2, devices=jax.devices()[:4])
-    sharded = qwen.from_pretrained(checkpoint, mesh=mesh, scan_layers=True)
+    sharded = params.from_pretrained(checkpoint, mesh=mesh, scan_layers=True)
     cfg = sharded.config
     q = sharded.layers.self_attn.q_proj.kernel.get_value()  # [L, H, N*hd] on (None, fsdp, tp)
     assert q.sharding.spec == jax.P(None, "fsdp", "tp")
     assert {s.data.shape for s in q.addressable_shards} == {
         (LAYERS, cfg.hidden_size // 2, cfg.num_attention_heads * cfg.head_dim // 2)}
-    single = qwen.from_pretrained(checkpoint)
+    single = params.from_pretrained(checkpoint)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 10)), jnp.int32)
     ref = np.asarray(nnx.jit(lambda m, x: m(x))(single, ids))
     with jax.set_mesh(mesh):
@@ -210,8 +210,8 @@ def test_scanned_model_loads_onto_a_mesh_shard_by_shard(checkpoint):
 
 def test_kv_cache_path_of_a_scanned_model_equals_the_unrolled_one(checkpoint):
     """The cache stays one array per layer; a scanned model slices its layers for it."""
-    scanned = qwen.from_pretrained(checkpoint, scan_layers=True)
-    unrolled = qwen.from_pretrained(checkpoint)
+    scanned = params.from_pretrained(checkpoint, scan_layers=True)
+    unrolled = params.from_pretrained(checkpoint)
     step = nnx.jit(lambda m, x, a, c: m(x, attention_mask=a, cache=c))
     ids, mask = jnp.asarray(IDS, jnp.int32), jnp.asarray(MASK)
     cache = qwen.init_cache(unrolled.config, 2, 16)
@@ -242,7 +242,7 @@ def test_learner_update_with_scanned_layers_equals_the_unrolled_learner(tmp_path
                          micro_batch_size=2, logprob_micro_batch_size=2, logprob_chunk_size=8)
     results = []
     for overrides in (dict(), dict(scan_layers=True, attention_impl="xla_causal", remat="full")):
-        learner = Learner(qwen.from_pretrained(ckpt, **overrides), lcfg)
+        learner = Learner(params.from_pretrained(ckpt, **overrides), lcfg)
         metrics = learner.train_step(batch)
         results.append((metrics, flat_params(learner.model())))
     (m1, p1), (m2, p2) = results
@@ -285,7 +285,7 @@ def test_learner_logprobs_under_remat_equal_the_plain_model(checkpoint, hf_model
     ids = np.random.default_rng(3).integers(0, 256, size=(4, 12)).astype(np.int32)
     attn = np.ones_like(ids)
     attn[1, 9:] = 0  # right padding on one row
-    model = qwen.from_pretrained(checkpoint, scan_layers=scan_layers, remat=remat)
+    model = params.from_pretrained(checkpoint, scan_layers=scan_layers, remat=remat)
     learner = Learner(model, LearnerConfig(micro_batch_size=2, logprob_micro_batch_size=2))
     got = learner.logprobs(ids, attn, temperature=1.0)  # [B, T]
     with torch.no_grad():

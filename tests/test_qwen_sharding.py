@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from cleaner_jax.models import params, qwen, sharding
+from cleaner_jax.models.config import QwenConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 
@@ -47,9 +48,9 @@ def test_mesh_load_gives_same_logits_and_really_shards(checkpoint, mesh, monkeyp
         return wrapped
 
     monkeypatch.setattr(params, "_slice_reader", recording_reader)
-    sharded = qwen.from_pretrained(checkpoint, mesh=mesh)
+    sharded = params.from_pretrained(checkpoint, mesh=mesh)
     monkeypatch.undo()
-    single = qwen.from_pretrained(checkpoint)
+    single = params.from_pretrained(checkpoint)
 
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (4, 10)), jnp.int32)
     ref = np.asarray(forward(single, ids))
@@ -77,23 +78,23 @@ def test_mesh_load_gives_same_logits_and_really_shards(checkpoint, mesh, monkeyp
 
 
 def test_save_of_a_sharded_model_equals_the_source(checkpoint, mesh, tmp_path):
-    sharded = qwen.from_pretrained(checkpoint, mesh=mesh)
-    out = qwen.save_pretrained(sharded, tmp_path / "out")
-    again = qwen.from_pretrained(out)
-    ref = qwen.from_pretrained(checkpoint)
+    sharded = params.from_pretrained(checkpoint, mesh=mesh)
+    out = params.save_pretrained(sharded, tmp_path / "out")
+    again = params.from_pretrained(out)
+    ref = params.from_pretrained(checkpoint)
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(again, nnx.Param)), nnx.to_flat_state(nnx.state(ref, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
 
 
 def test_state_shardings_and_indivisible_axes(mesh):
-    cfg = qwen.QwenConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = QwenConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     abstract = nnx.eval_shape(lambda: qwen.Qwen(cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
     shard_tree = sharding.state_shardings(state, mesh)
     assert shard_tree["layers"][0]["mlp"]["up_proj"]["kernel"].spec == jax.P("fsdp", "tp")
-    odd = qwen.QwenConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    odd = QwenConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     abstract = nnx.eval_shape(lambda: qwen.Qwen(odd, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"embed_tokens\.embedding.*101.*'tp'"):
         sharding.state_shardings(nnx.state(abstract, nnx.Param), mesh)

@@ -15,7 +15,7 @@ import pytest
 from cleaner_jax import config as run_config
 from cleaner_jax import wiring
 from cleaner_jax.config import ConfigError
-from cleaner_jax.models import qwen, sharding
+from cleaner_jax.models import params, sharding
 from cleaner_jax.rl import learner as learner_mod
 from cleaner_jax.rl.batch import Batch, at_width, bucket_widths, padded_fraction, parse_widths, plan_micro_batches
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
@@ -130,13 +130,13 @@ def state_np(lr):
 
 def test_bucketed_logprobs_equal_padded(ckpt):
     batch = make_batch(1)
-    padded = Learner(qwen.from_pretrained(ckpt), cfg()).logprobs(batch.input_ids, batch.attention_mask)
-    bucketed = Learner(qwen.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask)
+    padded = Learner(params.from_pretrained(ckpt), cfg()).logprobs(batch.input_ids, batch.attention_mask)
+    bucketed = Learner(params.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask)
     real = batch.attention_mask > 0
     np.testing.assert_allclose(bucketed[real], padded[real], atol=1e-5)
     assert np.all(bucketed[~real] == 0) and np.all(bucketed[:, 0] == 0)
     with pytest.raises(ValueError, match="right-padded"):
-        Learner(qwen.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask[:, ::-1])
+        Learner(params.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask[:, ::-1])
 
 
 @pytest.mark.parametrize("loss", [dict(tis="sequence", splice_correction="tis"),
@@ -146,7 +146,7 @@ def test_bucketed_update_equals_padded(ckpt, loss):
     every metric and every parameter and Adam moment afterwards agree."""
     results = []
     for widths in ("", WIDTHS):
-        lr = Learner(qwen.from_pretrained(ckpt), cfg(widths, **loss))
+        lr = Learner(params.from_pretrained(ckpt), cfg(widths, **loss))
         metrics = []
         for seed in (2, 3)[:1 if "agg" in loss else 2]:  # the second variant: one update is enough
             batch = lr.add_old_logprobs(make_batch(seed))
@@ -174,7 +174,7 @@ def test_bucketed_fp16_loss_scale_and_skip_equal_padded(ckpt):
     state) and back-off on an overflowing batch."""
     runs = []
     for widths in ("", WIDTHS):
-        lr = Learner(qwen.from_pretrained(ckpt, param_dtype="float32", compute_dtype="float16"), cfg(widths))
+        lr = Learner(params.from_pretrained(ckpt, param_dtype="float32", compute_dtype="float16"), cfg(widths))
         m1 = lr.train_step(make_batch(4))
         before = state_np(lr)
         m2 = lr.train_step(make_batch(5, advantage=100.0))  # 100 * 2^16 overflows float16
@@ -190,7 +190,7 @@ def test_bucketed_fp16_loss_scale_and_skip_equal_padded(ckpt):
 
 
 def test_non_finite_loss_is_skipped_when_bucketed(ckpt):
-    lr = Learner(qwen.from_pretrained(ckpt), cfg(WIDTHS))
+    lr = Learner(params.from_pretrained(ckpt), cfg(WIDTHS))
     lr.train_step(make_batch(6))
     before = state_np(lr)
     m = lr.train_step(make_batch(7, advantage=3e38))  # each token finite, the sum is not
@@ -204,7 +204,7 @@ def test_compiles_are_bounded_by_the_widths(ckpt):
     a further step on widths already seen compiles nothing."""
     acc, apply, lp = learner_mod._jit_accumulate, learner_mod._jit_apply, learner_mod._jit_logprobs
     before = (acc._cache_size(), apply._cache_size(), lp._cache_size())
-    lr = Learner(qwen.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
+    lr = Learner(params.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
     rng = np.random.default_rng(8)
     for seed in range(3):
         lengths = rng.integers(3, T + 1, size=B)
@@ -219,10 +219,10 @@ def test_compiles_are_bounded_by_the_widths(ckpt):
 
 def test_sharded_bucketed_step_equals_single_device(ckpt):
     batch = make_batch(10)
-    single = Learner(qwen.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
+    single = Learner(params.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
     m1 = single.train_step(single.add_old_logprobs(batch))
     mesh = sharding.make_mesh(2, 2)
-    sharded = Learner(qwen.from_pretrained(ckpt, mesh=mesh), cfg(WIDTHS, mb=4), mesh=mesh)
+    sharded = Learner(params.from_pretrained(ckpt, mesh=mesh), cfg(WIDTHS, mb=4), mesh=mesh)
     m2 = sharded.train_step(sharded.add_old_logprobs(batch))
     for k in m1:
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
@@ -235,7 +235,7 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
     assert (learner_mod._jit_accumulate._cache_size(), learner_mod._jit_apply._cache_size()) == seen
     with pytest.raises(ValueError, match=r"micro_batch_size=2 is not a multiple of the fsdp mesh axis \(4\)"):
         mesh4 = sharding.make_mesh(4, 1)
-        Learner(qwen.from_pretrained(ckpt, mesh=mesh4), cfg(WIDTHS, mb=2), mesh=mesh4)
+        Learner(params.from_pretrained(ckpt, mesh=mesh4), cfg(WIDTHS, mb=2), mesh=mesh4)
 
 
 # ----------------------------------------------------------------------------- config keys

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cleaner_jax.models import qwen, sharding
+from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig, lr_schedule
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -70,7 +70,7 @@ def test_logprobs_match_transformers(ckpt):
     from transformers import AutoModelForCausalLM
 
     batch = make_batch(1)
-    learner = Learner(qwen.from_pretrained(ckpt), cfg())
+    learner = Learner(params.from_pretrained(ckpt), cfg())
     ours = learner.logprobs(batch.input_ids, batch.attention_mask)
     ref = torch_logprobs(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), batch.input_ids,
                          batch.attention_mask)
@@ -85,7 +85,7 @@ def test_one_update_matches_torch_adamw(ckpt):
     from transformers import AutoModelForCausalLM
 
     batch = make_batch(2)
-    learner = Learner(qwen.from_pretrained(ckpt), cfg())
+    learner = Learner(params.from_pretrained(ckpt), cfg())
     metrics = learner.train_step(batch)
     new = learner.model()
 
@@ -118,7 +118,7 @@ def test_micro_batches_equal_one_big_batch(ckpt):
     rollout = np.random.default_rng(0).normal(-3, 0.5, size=(B, T)).astype(np.float32)
     results = []
     for mb in (B, 2):
-        learner = Learner(qwen.from_pretrained(ckpt), cfg(micro_batch_size=mb))
+        learner = Learner(params.from_pretrained(ckpt), cfg(micro_batch_size=mb))
         full = learner.add_old_logprobs(batch)
         noise = 0.05 * np.random.default_rng(1).normal(size=(B, T)).astype(np.float32)
         full = dataclasses.replace(full, old_logprobs=full.old_logprobs + noise, rollout_logprobs=rollout)
@@ -142,7 +142,7 @@ def test_padding_and_masked_tokens_do_not_matter(ckpt):
     base = dataclasses.replace(batch, old_logprobs=np.zeros((B, T), np.float32))
     out = []
     for b in (base, poisoned):
-        learner = Learner(qwen.from_pretrained(ckpt), cfg())
+        learner = Learner(params.from_pretrained(ckpt), cfg())
         out.append((learner.train_step(b), params_np(learner)))
     for k in out[0][0]:
         assert out[1][0][k] == pytest.approx(out[0][0][k], rel=1e-5, abs=1e-7), k
@@ -152,10 +152,10 @@ def test_padding_and_masked_tokens_do_not_matter(ckpt):
 
 def test_sharded_step_equals_single_device(ckpt):
     batch = make_batch(5)
-    single = Learner(qwen.from_pretrained(ckpt), cfg(micro_batch_size=4))
+    single = Learner(params.from_pretrained(ckpt), cfg(micro_batch_size=4))
     m1 = single.train_step(single.add_old_logprobs(batch))
     mesh = sharding.make_mesh(2, 2)
-    sharded = Learner(qwen.from_pretrained(ckpt, mesh=mesh), cfg(micro_batch_size=4), mesh=mesh)
+    sharded = Learner(params.from_pretrained(ckpt, mesh=mesh), cfg(micro_batch_size=4), mesh=mesh)
     m2 = sharded.train_step(sharded.add_old_logprobs(batch))
     for k in m1:
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
@@ -167,9 +167,9 @@ def test_sharded_step_equals_single_device(ckpt):
 
 def test_missing_old_logprobs_means_current_policy(ckpt):
     batch = make_batch(6)
-    a = Learner(qwen.from_pretrained(ckpt), cfg())
+    a = Learner(params.from_pretrained(ckpt), cfg())
     ma = a.train_step(batch)
-    b = Learner(qwen.from_pretrained(ckpt), cfg())
+    b = Learner(params.from_pretrained(ckpt), cfg())
     mb = b.train_step(b.add_old_logprobs(batch))
     assert ma["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5, abs=1e-7)
@@ -177,7 +177,7 @@ def test_missing_old_logprobs_means_current_policy(ckpt):
 
 def test_gap_metrics_with_rollout_logprobs(ckpt):
     batch = make_batch(7)
-    learner = Learner(qwen.from_pretrained(ckpt), cfg())
+    learner = Learner(params.from_pretrained(ckpt), cfg())
     with_old = learner.add_old_logprobs(batch)
     m = batch.loss_mask > 0
     shift = np.where(np.arange(T)[None] % 2 == 0, 0.2, 0.0).astype(np.float32)  # half of the tokens off by 0.2
@@ -193,7 +193,7 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path):
     c = cfg(micro_batch_size=4)
     ck = str(tmp_path / "ckpt")
     batches = [make_batch(s) for s in (10, 11, 12)]
-    a = Learner(qwen.from_pretrained(ckpt), c, checkpoint_dir=ck)
+    a = Learner(params.from_pretrained(ckpt), c, checkpoint_dir=ck)
     a.train_step(a.add_old_logprobs(batches[0]))
     a.train_step(a.add_old_logprobs(batches[1]))
     batches[2] = a.add_old_logprobs(batches[2])
@@ -203,7 +203,7 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path):
     expected_params = params_np(a)
     a.close()
 
-    b = Learner(qwen.from_pretrained(ckpt), c, checkpoint_dir=ck)  # fresh weights, as after a crash
+    b = Learner(params.from_pretrained(ckpt), c, checkpoint_dir=ck)  # fresh weights, as after a crash
     step, extra = b.restore()
     assert step == 2 and extra["data_position"] == 17 and extra["rng"] == rng_state
     assert b.step == 2
@@ -221,7 +221,7 @@ def test_lr_schedule_warmup_per_rl_step():
 
 
 def test_bad_batches_raise(ckpt):
-    learner = Learner(qwen.from_pretrained(ckpt), cfg(micro_batch_size=4))
+    learner = Learner(params.from_pretrained(ckpt), cfg(micro_batch_size=4))
     batch = make_batch(0)
     with pytest.raises(TypeError, match="expected cleaner_jax.rl.batch.Batch, got dict"):
         learner.train_step(dataclasses.asdict(batch))  # the old dict batches are refused, not guessed at

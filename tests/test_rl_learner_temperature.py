@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.learner import Learner, LearnerConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
@@ -12,7 +12,7 @@ from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 def test_logprobs_follow_the_requested_temperature(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False)
     ids = np.random.default_rng(0).integers(0, 512, size=(2, 12)).astype(np.int32)
-    learner = Learner(qwen.from_pretrained(path), LearnerConfig(temperature=0.7, logprob_micro_batch_size=2))
+    learner = Learner(params.from_pretrained(path), LearnerConfig(temperature=0.7, logprob_micro_batch_size=2))
     attn = np.ones_like(ids)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(path).float()(torch.tensor(ids, dtype=torch.long)).logits

@@ -10,7 +10,7 @@ import pytest
 
 from cleaner_jax import wiring
 from cleaner_jax.config import validate
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import StepConfig, build_batch, group_advantages, rl_step, shaped_rewards
@@ -65,7 +65,7 @@ def scored_episodes():
 
 
 def learner_of(ckpt, which):
-    return Learner(qwen.from_pretrained(ckpt), LearnerConfig(
+    return Learner(params.from_pretrained(ckpt), LearnerConfig(
         loss=LossConfig(kind="nll", nll_sequences=which), optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0),
         micro_batch_size=2, logprob_micro_batch_size=2, logprob_chunk_size=32))
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
@@ -128,7 +128,7 @@ def ckpt(tmp_path_factory):
 
 
 def learner_of(ckpt, bucket_widths="", eps=1e-8):
-    return Learner(qwen.from_pretrained(ckpt), LearnerConfig(
+    return Learner(params.from_pretrained(ckpt), LearnerConfig(
         optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0, eps=eps), micro_batch_size=2,
         logprob_micro_batch_size=2, logprob_chunk_size=32, bucket_widths=bucket_widths))
 

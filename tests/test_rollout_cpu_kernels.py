@@ -146,9 +146,10 @@ def test_model_and_learner_never_import_the_kernels():
         import jax, jax.numpy as jnp
         from flax import nnx
         from cleaner_jax.models import qwen
+        from cleaner_jax.models.config import QwenConfig
         from cleaner_jax.rl import learner, logprobs
-        cfg = qwen.QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        cfg = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
         model = qwen.Qwen(cfg, rngs=nnx.Rngs(0))
         ids = jnp.arange(4 * 6, dtype=jnp.int32).reshape(4, 6) % 64
         logits, cache = nnx.jit(lambda m, x, c: m(x, cache=c))(model, ids, qwen.init_cache(cfg, 4, 8))

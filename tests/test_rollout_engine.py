@@ -174,9 +174,9 @@ def test_decode_backend_is_what_the_model_step_runs():
     import jax
     import jax.numpy as jnp
 
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params, qwen
 
-    model = qwen.from_pretrained(checkpoint(0))
+    model = params.from_pretrained(checkpoint(0))
     cache = qwen.init_cache(model.config, 4, 32)
     ids = jnp.ones((4, 1), jnp.int32)
 

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from _rollout_common import call, checkpoint, engine, hf_greedy, hf_logprobs
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.server import start_server_in_thread
 from cleaner_jax.rollout.weight_sync import WeightSyncError, export_and_sync, export_checkpoint, sync_weights
@@ -28,7 +28,7 @@ def learner(seed):
 
 def test_export_sync_and_probe_passes(two_servers, tmp_path):
     client = SGLangClient([h.url for h in two_servers])
-    model = qwen.from_pretrained(checkpoint(1))
+    model = params.from_pretrained(checkpoint(1))
 
     async def go():
         await client([3, 4, 5], {"temperature": 0, "max_new_tokens": 2})  # leave something cached
@@ -81,7 +81,7 @@ def test_bf16_export_is_the_rounded_hf_tensors_and_loads_in_transformers_with_th
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = qwen.from_pretrained(checkpoint(1), param_dtype="float32", compute_dtype="bfloat16")
+    model = params.from_pretrained(checkpoint(1), param_dtype="float32", compute_dtype="bfloat16")
     timings: dict = {}
     out = export_checkpoint(model, tmp_path / "bf16", checkpoint(1), dtype="bfloat16", timings=timings)
     assert set(timings) == {"gather_s", "write_s"} and all(v > 0 for v in timings.values())
@@ -107,7 +107,7 @@ def test_bf16_export_is_the_rounded_hf_tensors_and_loads_in_transformers_with_th
 def test_export_dtype_narrower_than_the_served_dtype_is_refused(two_servers, tmp_path):
     """A bf16 export to a float32 server would be served rounded: refused before any update."""
     client = SGLangClient([h.url for h in two_servers], retries=0)
-    model = qwen.from_pretrained(checkpoint(1))
+    model = params.from_pretrained(checkpoint(1))
     before = [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers]
     with pytest.raises(WeightSyncError, match=r"stored in \['bfloat16'\] but http://127\.0\.0\.1:\d+ serves in dtype 'float32'"):
         asyncio.run(export_and_sync(model, tmp_path / "bf16", client, "step-10", dtype="bfloat16"))

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from cleaner_jax.config import ConfigError, validate
-from cleaner_jax.models import params, qwen, sharding
+from cleaner_jax.models import params, sharding
 from cleaner_jax.rollout.fleet import free_loopback_port
 from cleaner_jax.rollout.weight_sync import WeightSyncError, read_signature
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -79,7 +79,7 @@ def test_sharded_export_index_and_bit_equal_loads(ckpt, tmp_path):
 
     src = load_file(ckpt / "model.safetensors")
     cfg = json.loads((ckpt / "config.json").read_text())
-    out = params.save_model(qwen.from_pretrained(ckpt), tmp_path / "out", max_shard_bytes=SHARD, tokenizer_from=ckpt)
+    out = params.save_pretrained(params.from_pretrained(ckpt), tmp_path / "out", max_shard_bytes=SHARD, tokenizer_from=ckpt)
 
     want = expected_index(src, cfg, SHARD)
     text = (out / "model.safetensors.index.json").read_text()
@@ -98,7 +98,7 @@ def test_sharded_export_index_and_bit_equal_loads(ckpt, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
     for name, arr in src.items():
         np.testing.assert_array_equal(hf[name].numpy(), arr, err_msg=name)
-    ours, ref = nnx_params(qwen.from_pretrained(out)), nnx_params(qwen.from_pretrained(ckpt))
+    ours, ref = nnx_params(params.from_pretrained(out)), nnx_params(params.from_pretrained(ckpt))
     assert sorted(ours) == sorted(ref)
     for k in ref:
         np.testing.assert_array_equal(ours[k], ref[k], err_msg=k)
@@ -112,14 +112,14 @@ def nnx_params(model) -> dict[str, np.ndarray]:
 
 
 def test_a_model_that_fits_is_one_file_without_index(ckpt, tmp_path):
-    out = params.save_model(qwen.from_pretrained(ckpt), tmp_path / "one")  # default: 5 GB files
+    out = params.save_pretrained(params.from_pretrained(ckpt), tmp_path / "one")  # default: 5 GB files
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
     src, got = load_file(ckpt / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(got) == sorted(src)
 
 
 def test_the_sync_check_refuses_an_index_that_does_not_match_its_files(ckpt, tmp_path):
-    out = params.save_model(qwen.from_pretrained(ckpt), tmp_path / "out", max_shard_bytes=SHARD)
+    out = params.save_pretrained(params.from_pretrained(ckpt), tmp_path / "out", max_shard_bytes=SHARD)
     index = json.loads((out / params.INDEX).read_text())
     moved = "model.norm.weight"
     index["weight_map"][moved] = "model-00001-of-00005.safetensors"  # not where it is
@@ -152,7 +152,7 @@ def test_rollout_server_updates_from_a_sharded_export(tmp_path):
 
         async def go():
             report = await export_and_sync(
-                qwen.from_pretrained(checkpoint(1)), tmp_path / "step-3", client, "step-3", tokenizer_from=checkpoint(1),
+                params.from_pretrained(checkpoint(1)), tmp_path / "step-3", client, "step-3", tokenizer_from=checkpoint(1),
                 max_shard_bytes=SHARD, probe_ids=probe, probe_start=2, max_mean_abs_gap=1e-4,
                 learner_logprobs=lambda ids, start: hf_logprobs(ids, 1.0, seed=1)[start - 1:])
             info = await client.model_info(handle.url)
@@ -213,7 +213,7 @@ def test_two_processes_write_the_bytes_one_process_writes(ckpt, four_device_mesh
     procs = start_workers(ckpt, tmp_path / "two", "unrolled,scanned")
     src = load_file(ckpt / "model.safetensors")
     try:
-        ones = {layout: params.save_model(qwen.from_pretrained(ckpt, mesh=four_device_mesh, scan_layers=scan),
+        ones = {layout: params.save_pretrained(params.from_pretrained(ckpt, mesh=four_device_mesh, scan_layers=scan),
                                           tmp_path / "one" / layout, max_shard_bytes=SHARD, tokenizer_from=ckpt)
                 for layout, scan in (("unrolled", False), ("scanned", True))}
     finally:
@@ -241,7 +241,7 @@ def test_two_processes_write_the_bytes_one_process_writes(ckpt, four_device_mesh
 def test_a_failure_on_one_process_fails_both_and_commits_nothing(ckpt, other, tmp_path):
     """A full disk on process 1; then a directory the processes do not share; then, in the same
     run, an export that works (the failures left every process's collectives in step)."""
-    old = params.save_model(qwen.from_pretrained(other), tmp_path / "fail4@1", max_shard_bytes=SHARD)
+    old = params.save_pretrained(params.from_pretrained(other), tmp_path / "fail4@1", max_shard_bytes=SHARD)
     before = dir_bytes(old)
     (rc0, log0), (rc1, log1) = finish(start_workers(ckpt, tmp_path, "fail4@1,private,unrolled"))
     assert rc0 == rc1 == 0, log0[-3000:] + log1[-3000:]
@@ -261,7 +261,7 @@ def test_a_failure_on_one_process_fails_both_and_commits_nothing(ckpt, other, tm
 @pytest.mark.slow  # ~20 s, most of it JAX's heartbeat timeout; the failure test above covers our own agreement
 def test_a_process_killed_mid_write_leaves_the_old_export_whole(ckpt, other, tmp_path):
     """SIGKILL of one writer: the coordination service aborts the other, nobody renames."""
-    out = params.save_model(qwen.from_pretrained(other), tmp_path / "unrolled", max_shard_bytes=SHARD)
+    out = params.save_pretrained(params.from_pretrained(other), tmp_path / "unrolled", max_shard_bytes=SHARD)
     before = dir_bytes(out)
     marker = tmp_path / "stalled"
     procs = start_workers(ckpt, tmp_path, "unrolled", extra={1: ["--stall-on-file", "2", "--marker", str(marker)]})

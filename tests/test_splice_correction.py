@@ -13,7 +13,7 @@ import pytest
 
 from cleaner_jax import wiring
 from cleaner_jax.config import ConfigError, base_config, validate
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl import losses
 from cleaner_jax.rl.batch import from_trajectories
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
@@ -121,7 +121,7 @@ def test_gap_metrics_leave_spliced_tokens_out(ckpt):
     in logprob_mode=recompute, where they are the error-context ones): gap/* sees 0.05 only."""
     p = purify(raw_two_splices())
     batch = from_trajectories([p, p], np.array([1.0, -1.0]), pad_id=0)
-    learner = Learner(qwen.from_pretrained(ckpt), LearnerConfig(
+    learner = Learner(params.from_pretrained(ckpt), LearnerConfig(
         optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0), micro_batch_size=2,
         logprob_micro_batch_size=2, logprob_chunk_size=32))
     batch = learner.add_old_logprobs(batch)

@@ -425,7 +425,6 @@ _KILL_INSIDE_EXPORT = """
 import os, sys, time
 from pathlib import Path
 import cleaner_jax.models.params as params
-from cleaner_jax.models import qwen
 src, out, marker = map(Path, sys.argv[1:4])
 save = params.save_file
 def torn(tensors, filename, metadata=None):
@@ -434,17 +433,17 @@ def torn(tensors, filename, metadata=None):
     marker.touch()
     time.sleep(600)
 params.save_file = torn
-qwen.save_pretrained(qwen.from_pretrained(src), out, tokenizer_from=src)
+params.save_pretrained(params.from_pretrained(src), out, tokenizer_from=src)
 """
 
 
 def test_an_export_killed_inside_its_write_leaves_the_old_directory_whole(tmp_path):
-    from cleaner_jax.models import qwen
+    from cleaner_jax.models import params
     from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
     old, new = make_tiny_checkpoint(tmp_path / "old", seed=1), make_tiny_checkpoint(tmp_path / "new", seed=2)
     out = tmp_path / "exports" / "step_000002"
-    qwen.save_pretrained(qwen.from_pretrained(old), out, tokenizer_from=old)
+    params.save_pretrained(params.from_pretrained(old), out, tokenizer_from=old)
     marker = tmp_path / "torn"
     kill_when_marked(_KILL_INSIDE_EXPORT, [str(new), str(out), str(marker)], marker, 300)
     partial = out.parent / ".step_000002.partial"
@@ -457,7 +456,7 @@ def test_an_export_killed_inside_its_write_leaves_the_old_directory_whole(tmp_pa
         np.testing.assert_array_equal(got[name], want_old[name], err_msg=name)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in old.iterdir())
 
-    qwen.save_pretrained(qwen.from_pretrained(new), out, tokenizer_from=new)  # the next export replaces both
+    params.save_pretrained(params.from_pretrained(new), out, tokenizer_from=new)  # the next export replaces both
     want_new = load_file(new / "model.safetensors")
     got = load_file(out / "model.safetensors")
     for name in want_new:

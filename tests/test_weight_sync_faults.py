@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from _rollout_common import call, checkpoint, engine, hf_logprobs, workdir
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.models.params import NonFiniteWeightsError
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.sglang_answers import InvalidLogprobsError, RolloutServerError, to_gen_output
@@ -138,7 +138,7 @@ def test_second_writer_changing_the_version_fails_the_sync(servers):
 def test_directory_broken_after_the_canary_loaded_it_keeps_only_the_canary_in_rotation(servers, tmp_path):
     a, b = servers
     export = tmp_path / "step-4"
-    export_checkpoint(qwen.from_pretrained(checkpoint(1)), export, checkpoint(1))
+    export_checkpoint(params.from_pretrained(checkpoint(1)), export, checkpoint(1))
     client = SGLangClient([a.url, b.url], retries=0)
 
     def learner_then_break(ids, start):  # runs during the canary's probe, before B's update
@@ -199,7 +199,7 @@ def test_server_killed_during_its_update_is_reported_as_died(servers):
 
 
 def test_nan_weights_are_never_exported(tmp_path):
-    model = qwen.from_pretrained(checkpoint(1))
+    model = params.from_pretrained(checkpoint(1))
     kernel = model.layers[1].mlp.up_proj.kernel
     kernel.set_value(kernel.get_value().at[3, 5].set(np.nan))
     with pytest.raises(NonFiniteWeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
@@ -213,7 +213,7 @@ def test_nan_weights_on_disk_fail_the_probe_by_name_and_rollouts_see_a_named_err
     InvalidLogprobsError (a RolloutServerError: the collector counts the episode as infra)."""
     a, _ = servers
     export = tmp_path / "nan-on-disk"
-    export_checkpoint(qwen.from_pretrained(checkpoint(1)), export, checkpoint(1))
+    export_checkpoint(params.from_pretrained(checkpoint(1)), export, checkpoint(1))
     tensors = load_file(export / "model.safetensors")
     tensors["model.norm.weight"][0] = np.nan
     save_file(tensors, str(export / "model.safetensors"), metadata={"format": "pt"})

@@ -1,4 +1,6 @@
-"""Hugging Face safetensors <-> NNX parameters of `Qwen`, in both directions, from one table.
+"""Hugging Face safetensors <-> NNX parameters of `Qwen`, in both directions, from one table:
+`from_pretrained` and `save_pretrained` live here, not beside the module in `qwen.py`, so the
+imports run one way (this module builds a `Qwen`; the model knows nothing of files).
 
 `param_table(config)` is the single source of truth: every HF tensor name with its NNX path
 and whether it is transposed (HF Linear weights are `[out, in]`, NNX kernels `[in, out]`).
@@ -6,7 +8,7 @@ Loading builds each array with `jax.make_array_from_callback`, reading from the 
 slice a device owns (safetensors `get_slice`), so with a mesh no device - and no host buffer -
 ever holds a full copy of a tensor it does not own.
 
-Export on several processes (`save_model`, docs/scaling.md "Weight export on several hosts"):
+Export on several processes (`save_pretrained`, docs/scaling.md "Weight export on several hosts"):
 one tensor at a time is gathered collectively (a jit every process runs, resharding it to
 replicated) and kept on host only by the process that writes its file (file k: process
 k % process_count). Not "each process writes what it owns": an HF file holds whole tensors,
@@ -22,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -131,10 +134,13 @@ def _check_table_matches_model(table: list[ParamEntry], abstract_state: nnx.Stat
         )
 
 
-def load_model(
-    path: Path, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, **config_overrides: Any
+def from_pretrained(
+    path: str | os.PathLike, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, **config_overrides: Any
 ) -> Qwen:
-    """See `qwen.from_pretrained`."""
+    """Load a local HF Qwen2/Qwen3 directory. `dtype` sets both param and compute dtype unless
+    `param_dtype=` / `compute_dtype=` are overridden. With a mesh, every array is built shard by
+    shard from the files (see `cleaner_jax.models.sharding` for the layout)."""
+    path = Path(path)
     hf_config = read_config(path)
     overrides = {"param_dtype": dtype, "compute_dtype": dtype, **config_overrides}
     try:
@@ -262,11 +268,13 @@ def shard_names(n: int) -> list[str]:
     return [SAFETENSORS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-def save_model(
-    model: Qwen, out_dir: Path, *, tokenizer_from: str | Path | None = None,
+def save_pretrained(
+    model: Qwen, out_dir: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str | None = None, timings: dict[str, float] | None = None,
 ) -> Path:
-    """Write HF safetensors (index-sharded above `max_shard_bytes`) + config.json as `out_dir`.
+    """Write HF safetensors (index-sharded above `max_shard_bytes`) + config.json as `out_dir`,
+    which transformers loads; copies the tokenizer and generation_config.json from
+    `tokenizer_from` when given.
 
     Call it from every process of a multi-process run (it is collective; see the module
     docstring): file k is written by process k % process_count, the index, config and tokenizer
@@ -285,8 +293,9 @@ def save_model(
     """
     export_dtype = model.config.param_dtype if dtype is None else dtype
     if export_dtype not in _NP_DTYPES:
-        raise ValueError(f"save_model: dtype {export_dtype!r} is not one of {sorted(_NP_DTYPES)}")
+        raise ValueError(f"save_pretrained: dtype {export_dtype!r} is not one of {sorted(_NP_DTYPES)}")
     itemsize = np.dtype(_NP_DTYPES[export_dtype]).itemsize
+    out_dir = Path(out_dir)
     cfg = model.config
     state = nnx.state(model, nnx.Param)
     # collective when the parameters span several processes; parameters on this process's own
@@ -383,7 +392,7 @@ def _gather_tensor(state: nnx.State, e: ParamEntry, dtype: str, *, to_host: bool
 
 def _replicated(x: jax.Array, what: str) -> jax.sharding.NamedSharding:
     if not isinstance(x.sharding, jax.sharding.NamedSharding):
-        raise TypeError(f"{what}: a multi-process export needs NamedSharding parameters (as qwen.from_pretrained(mesh=) "
+        raise TypeError(f"{what}: a multi-process export needs NamedSharding parameters (as params.from_pretrained(mesh=) "
                         f"makes), got {type(x.sharding).__name__}")
     return jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
 

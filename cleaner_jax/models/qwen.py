@@ -3,7 +3,9 @@
 Qwen2 and Qwen3 differ only in q/k/v biases (Qwen2) and per-head q/k RMSNorm before RoPE
 (Qwen3), so both are flags on one module. Attribute names mirror Hugging Face
 (`layers[i].self_attn.q_proj.kernel` <-> `model.layers.i.self_attn.q_proj.weight`), which
-keeps the name table in `params.py` obvious. Linear kernels are stored `[in, out]`.
+keeps the name table in `params.py` obvious. Linear kernels are stored `[in, out]`. Loading and
+saving HF directories (`params.from_pretrained`, `params.save_pretrained`) live in `params.py`,
+which imports this module; this module imports no file format.
 
 Every projection, the LM head and attention run through an `ops` argument (`models/ops.py`),
 plain XLA einsums by default; the rollout engine passes its decode backend there. The model
@@ -23,8 +25,6 @@ Tokenizer and chat template: load them from the same directory with
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import flax
@@ -36,7 +36,7 @@ from cleaner_jax.models import layers
 from cleaner_jax.models.config import QwenConfig
 from cleaner_jax.models.ops import XLA, Ops
 
-__all__ = ["QwenConfig", "KVCache", "init_cache", "Qwen", "Ops", "logits_from_hidden", "from_pretrained", "save_pretrained"]
+__all__ = ["KVCache", "init_cache", "Qwen", "logits_from_hidden"]
 
 _INIT = nnx.initializers.normal(0.02)
 _REMAT_POLICIES = {
@@ -323,22 +323,3 @@ class Qwen(nnx.Module):
                                                                                 kv, slots)
 
         return remat_run
-
-
-def from_pretrained(
-    path: str | os.PathLike, dtype: str = "float32", mesh: jax.sharding.Mesh | None = None, **config_overrides: Any
-) -> Qwen:
-    """Load a local HF Qwen2/Qwen3 directory. `dtype` sets both param and compute dtype unless
-    `param_dtype=` / `compute_dtype=` are overridden. With a mesh, every array is built shard by
-    shard from the files (see `cleaner_jax.models.sharding` for the layout)."""
-    from cleaner_jax.models import params  # params imports this module
-
-    return params.load_model(Path(path), dtype=dtype, mesh=mesh, **config_overrides)
-
-
-def save_pretrained(model: Qwen, out_dir: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None) -> Path:
-    """Write model.safetensors + config.json (HF names) that transformers loads; copies the
-    tokenizer and generation_config.json from `tokenizer_from` when given."""
-    from cleaner_jax.models import params
-
-    return params.save_model(model, Path(out_dir), tokenizer_from=tokenizer_from)

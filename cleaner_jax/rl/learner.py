@@ -123,9 +123,9 @@ class Learner:
     `model` is an NNX module with ``hidden_states(ids, attention_mask=)`` and
     ``lm_head_kernel()`` and a ``config.compute_dtype`` (`cleaner_jax.models.qwen.Qwen`; float16
     compute turns on dynamic loss scaling, `cleaner_jax.rl.loss_scale`), already placed on `mesh` if given
-    (``qwen.from_pretrained(path, mesh=mesh)``). The learner takes over its state (the passed
+    (``params.from_pretrained(path, mesh=mesh)``). The learner takes over its state (the passed
     module's arrays are freed by the first update); read the current weights back with
-    `model()` (e.g. for `qwen.save_pretrained` / weight sync).
+    `model()` (e.g. for `params.save_pretrained` / weight sync).
     `save`/`restore` need a `checkpoint_dir`.
     """
 
@@ -332,7 +332,7 @@ class Learner:
 
     # -- state
     def model(self) -> nnx.Module:
-        """The policy as an NNX module with the current weights, e.g. for `qwen.save_pretrained`.
+        """The policy as an NNX module with the current weights, e.g. for `params.save_pretrained`.
 
         It shares the learner's arrays, which the next `train_step` donates (frees): use it
         before that step, or copy what you need.

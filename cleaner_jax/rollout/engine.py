@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params, qwen
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout import decode_backend as backends
 from cleaner_jax.rollout import programs
@@ -115,7 +115,7 @@ class Engine:
         `decode_backend.DECODE_BACKENDS` (resolved for this model's compute dtype; "auto" takes
         the C++ CPU kernels where they apply and build) or an already resolved `Ops`."""
         self.model_path = str(model_path)
-        model = qwen.from_pretrained(model_path, dtype=dtype)
+        model = params.from_pretrained(model_path, dtype=dtype)
         self.config = model.config
         self.dtype = dtype
         if isinstance(decode_backend, str):
@@ -162,7 +162,7 @@ class Engine:
 
         `flush_cache=False` keeps cached prefixes, whose KV the old weights computed (SGLang's
         field of the same name): cheaper when the update is tiny, off-policy otherwise."""
-        model = qwen.from_pretrained(model_path, dtype=self.dtype)
+        model = params.from_pretrained(model_path, dtype=self.dtype)
         if model.config != self.config:
             raise ValueError(
                 f"checkpoint {model_path} has config {model.config}, the served model has "

@@ -74,8 +74,8 @@ def export_checkpoint(model: Any, out_dir: str | Path, tokenizer_from: str | Pat
     """Write the learner's NNX model as an HF directory that SGLang and our server load, in `dtype`
     (None: the param dtype), index-sharded above `max_shard_bytes` per file (train.weight_export_shard_mb);
     NaN/Inf parameters are refused (`params.NonFiniteWeightsError`). Collective in a multi-process
-    run: every process calls it (`params.save_model`)."""
-    return params.save_model(model, Path(out_dir), tokenizer_from=tokenizer_from, dtype=dtype, timings=timings,
+    run: every process calls it (`params.save_pretrained`)."""
+    return params.save_pretrained(model, Path(out_dir), tokenizer_from=tokenizer_from, dtype=dtype, timings=timings,
                              max_shard_bytes=max_shard_bytes)
 
 

@@ -5,7 +5,7 @@ teacher (`cleaner_jax.toy.task.ToyTeacher`) writes demonstrations through the re
 sandbox — some with a failing first call and its recovery — and a short NLL fit on their raw
 token buffers teaches the format. The result is saved as an HF directory so a resumed run (and
 the rollout server) starts from it without redoing the fit. The directory is written whole or not
-at all (`qwen.save_pretrained` writes a hidden sibling and renames it), so a run killed during the
+at all (`params.save_pretrained` writes a hidden sibling and renames it), so a run killed during the
 warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/reliability.md, row 3).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import ToolExecutor
 from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
-from cleaner_jax.models import qwen
+from cleaner_jax.models import params
 from cleaner_jax.rl.batch import from_trajectories
 from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
@@ -67,7 +67,7 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
     # One width for every step: a single compile.
     batch = dataclasses.replace(from_trajectories(demos, np.ones(len(demos), np.float32),
                                                   pad_id=chat.tokenizer.pad_token_id or 0), rollout_logprobs=None)
-    model = qwen.from_pretrained(model_dir, mesh=mesh)
+    model = params.from_pretrained(model_dir, mesh=mesh)
     learner = Learner(model, LearnerConfig(
         loss=LossConfig(kind="nll"),
         optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
@@ -78,7 +78,7 @@ def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict
         rows = rng.choice(len(demos), size=cfg.batch_size, replace=False)
         metrics = learner.train_step(batch.rows(rows))
         bar.set_postfix(nll=f"{metrics['loss']:.3f}")
-    out = qwen.save_pretrained(learner.model(), out_dir, tokenizer_from=model_dir)
+    out = params.save_pretrained(learner.model(), out_dir, tokenizer_from=model_dir)
     learner.close()
     log.info("warm start: final NLL %.3f after %d steps -> %s", metrics["loss"], cfg.steps, out)
     return out
