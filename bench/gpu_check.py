@@ -267,7 +267,8 @@ def phase_train(s: Sizes, emit: Emitter, out: Path, tokens: int) -> None:
     import numpy as np
 
     from cleaner_jax.rl.batch import Batch
-    from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+    from cleaner_jax.rl.learner import Learner
+    from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 
     impl = "cudnn" if _gpu() else "xla"
     model = _qwen(s.model, num_hidden_layers=s.train_layers, param_dtype="float32", compute_dtype=s.compute_dtype,

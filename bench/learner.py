@@ -50,8 +50,9 @@ import torch
 
 from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch, bucket_widths, plan_micro_batches
-from cleaner_jax.rl import learner as learner_mod
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl import update
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint, tiny_config
 
@@ -231,8 +232,8 @@ def correction_batch(learner: Learner, batch: Batch, seed: int = 1) -> Batch:
 def _step_fn(lr: Learner, cfg: LearnerConfig, loss_scaling: bool) -> Callable[[Any], Any]:
     """The learner's pure train step for `cfg`, jitted without donation so that every call starts
     from the same state (the timing of one variant never depends on another's updates)."""
-    tx = learner_mod.make_optimizer(cfg.optimizer)
-    fn = jax.jit(lambda params, rest, opt, scaler, batch: learner_mod.train_step(
+    tx = update.make_optimizer(cfg.optimizer)
+    fn = jax.jit(lambda params, rest, opt, scaler, batch: update.train_step(
         lr.graphdef, tx, cfg, params, rest, opt, scaler, batch, loss_scaling=loss_scaling))
     return lambda batch: jax.block_until_ready(fn(lr.params, lr.rest, lr.opt_state, lr.scaler, batch))
 

@@ -1,5 +1,5 @@
 """Memory you can see before renting: an ahead-of-time compile of the learner's real train step
-(`cleaner_jax.rl.learner._jit_train_step`, and the no-grad old-log-prob pass `_jit_logprobs`) for
+(`cleaner_jax.rl.update.jit_train_step`, and the no-grad old-log-prob pass `jit_logprobs`) for
 a paper-shaped model on N forced CPU devices, with abstract inputs only (nothing is allocated),
 reporting XLA's per-device byte counts from `compiled.memory_analysis()`.
 
@@ -123,7 +123,7 @@ def extrapolate(records: list[dict[str, Any]], layers: int) -> dict[str, Any]:
 
 
 def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layers: int) -> dict[str, Any]:
-    """Abstract (ShapeDtypeStruct, sharded) arguments of `_jit_train_step` / `_jit_logprobs`."""
+    """Abstract (ShapeDtypeStruct, sharded) arguments of `update.jit_train_step` / `update.jit_logprobs`."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -133,9 +133,9 @@ def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layer
     from cleaner_jax.models import sharding
     from cleaner_jax.models.config import QwenConfig
     from cleaner_jax.models.qwen import Qwen
-    from cleaner_jax.rl import learner as learner_mod
+    from cleaner_jax.rl import update
     from cleaner_jax.rl.batch import Batch
-    from cleaner_jax.rl.learner import LearnerConfig
+    from cleaner_jax.rl.learner_config import LearnerConfig
     from cleaner_jax.rl.loss_scale import SCALED_DTYPES, init_state
 
     impl = "xla_causal" if args.attention_impl == FLASH_STANDIN else args.attention_impl  # the causal call path
@@ -157,7 +157,7 @@ def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layer
     replicated = NamedSharding(mesh, PartitionSpec())
     lcfg = LearnerConfig(micro_batch_size=args.micro_batch, logprob_micro_batch_size=args.logprob_micro_batch,
                          logprob_chunk_size=args.logprob_chunk)
-    tx = learner_mod.make_optimizer(lcfg.optimizer)
+    tx = update.make_optimizer(lcfg.optimizer)
     opt = optax.tree_map_params(
         tx, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding), jax.eval_shape(tx.init, params),
         params, transform_non_params=lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated))
@@ -171,7 +171,7 @@ def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layer
                   loss_mask=f32(r, t), advantages=f32(r), old_logprobs=f32(r, t), rollout_logprobs=f32(r, t),
                   behaviour_logprobs=f32(r, t), splice_kind=jax.ShapeDtypeStruct((r, t), jnp.int32, sharding=rows))
     return dict(mesh=mesh, graphdef=graphdef, params=params, rest=rest, opt=opt, scaler=scaler, batch=batch,
-                cfg=lcfg, loss_scaling=loss_scaling, layout=learner_mod._Layout.of((params, opt)))
+                cfg=lcfg, loss_scaling=loss_scaling, layout=update.Layout.of((params, opt)))
 
 
 def _stats(compiled: Any) -> dict[str, int]:
@@ -220,18 +220,18 @@ def compile_one(hf: dict[str, Any], args: argparse.Namespace, layers: int, progr
     """Lower and compile one program (`train_step` or `logprobs`) at `layers`; its byte counts."""
     import jax
 
-    from cleaner_jax.rl import learner as learner_mod
+    from cleaner_jax.rl import update
 
     x = _abstract_learner_inputs(hf, args, layers)
     t0 = time.perf_counter()
     with jax.set_mesh(x["mesh"]):
         if program == "train_step":
-            lowered = learner_mod._jit_train_step.lower(
+            lowered = update.jit_train_step.lower(
                 x["params"], x["rest"], x["opt"], x["scaler"], x["batch"], graphdef=x["graphdef"], cfg=x["cfg"],
                 layout=x["layout"], loss_scaling=x["loss_scaling"])
         else:
             b = x["batch"]
-            lowered = learner_mod._jit_logprobs.lower(
+            lowered = update.jit_logprobs.lower(
                 x["params"], x["rest"], b.input_ids, b.attention_mask, graphdef=x["graphdef"],
                 micro_batch_size=args.logprob_micro_batch, temperature=1.0, chunk_size=args.logprob_chunk)
         t1 = time.perf_counter()

@@ -53,7 +53,8 @@ def sequence_probability(logprobs: np.ndarray, positions: list[list[int]]) -> fl
 def measure(config, workdir: Path, held_problems) -> dict[str, float]:
     from cleaner_jax.models import params
     from cleaner_jax.rl.batch import from_trajectories
-    from cleaner_jax.rl.learner import Learner, LearnerConfig
+    from cleaner_jax.rl.learner import Learner
+    from cleaner_jax.rl.learner_config import LearnerConfig
     from cleaner_jax.session import Session, make_mesh, prepare_model_dir
     from cleaner_jax.toy import task as toy_task
     from cleaner_jax.toy import warm_cache

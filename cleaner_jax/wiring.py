@@ -23,7 +23,7 @@ from cleaner_jax.data.problems import DataError, Problem, load_benchmark, load_t
 from cleaner_jax.eval.runner import BenchmarkSpec, EvalPlan
 from cleaner_jax.eval.settings import EvalSettings
 from cleaner_jax.rl.batch import bucket_widths
-from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.loss_scale import LossScaleConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.rl.step import StepConfig

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 from cleaner_jax import schema, wiring
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.config import SECTIONS, ConfigError, RunConfig, base_config, validate
-from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.saar.config import SaarConfig
 from _configs import load_config
 

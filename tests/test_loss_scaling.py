@@ -16,7 +16,8 @@ from cleaner_jax.config import base_config
 from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.checkpointing import Checkpointer
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.loss_scale import LossScaleConfig, LossScaleState, init_state, next_state
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from _configs import load_config

@@ -119,7 +119,8 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
     distributed.barrier("after the exchanges")
 
     from cleaner_jax.models import params
-    from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+    from cleaner_jax.rl.learner import Learner
+    from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
     from cleaner_jax.rl.step import StepConfig, rl_step_with_old_logprobs
     from cleaner_jax.session import make_mesh
 

@@ -227,7 +227,8 @@ def test_learner_update_with_scanned_layers_equals_the_unrolled_learner(tmp_path
     """The whole learner (micro-batches, remat, optimizer) on scanned layers with the lengths-based
     attention gives the unrolled, masked-attention learner's loss, gradient norm and new weights."""
     from cleaner_jax.rl.batch import Batch
-    from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+    from cleaner_jax.rl.learner import Learner
+    from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=4, with_tokenizer=False, num_hidden_layers=2)
     rng = np.random.default_rng(0)
@@ -280,7 +281,8 @@ def test_learner_logprobs_under_remat_equal_the_plain_model(checkpoint, hf_model
     config) or scanned layers it must compile and give what transformers gives."""
     import torch
 
-    from cleaner_jax.rl.learner import Learner, LearnerConfig
+    from cleaner_jax.rl.learner import Learner
+    from cleaner_jax.rl.learner_config import LearnerConfig
 
     ids = np.random.default_rng(3).integers(0, 256, size=(4, 12)).astype(np.int32)
     attn = np.ones_like(ids)

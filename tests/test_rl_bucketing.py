@@ -16,9 +16,10 @@ from cleaner_jax import config as run_config
 from cleaner_jax import wiring
 from cleaner_jax.config import ConfigError
 from cleaner_jax.models import params, sharding
-from cleaner_jax.rl import learner as learner_mod
+from cleaner_jax.rl import update
 from cleaner_jax.rl.batch import Batch, at_width, bucket_widths, padded_fraction, parse_widths, plan_micro_batches
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.session import use_compilation_cache
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -202,7 +203,7 @@ def test_non_finite_loss_is_skipped_when_bucketed(ckpt):
 def test_compiles_are_bounded_by_the_widths(ckpt):
     """Many different length mixes, at most one accumulate compile per width and one update;
     a further step on widths already seen compiles nothing."""
-    acc, apply, lp = learner_mod._jit_accumulate, learner_mod._jit_apply, learner_mod._jit_logprobs
+    acc, apply, lp = update.jit_accumulate, update.jit_apply, update.jit_logprobs
     before = (acc._cache_size(), apply._cache_size(), lp._cache_size())
     lr = Learner(params.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
     rng = np.random.default_rng(8)
@@ -230,9 +231,9 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
     assert leaf.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tp")
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
-    seen = (learner_mod._jit_accumulate._cache_size(), learner_mod._jit_apply._cache_size())
+    seen = (update.jit_accumulate._cache_size(), update.jit_apply._cache_size())
     sharded.train_step(sharded.add_old_logprobs(make_batch(11)))  # same widths: no recompile on the mesh
-    assert (learner_mod._jit_accumulate._cache_size(), learner_mod._jit_apply._cache_size()) == seen
+    assert (update.jit_accumulate._cache_size(), update.jit_apply._cache_size()) == seen
     with pytest.raises(ValueError, match=r"micro_batch_size=2 is not a multiple of the fsdp mesh axis \(4\)"):
         mesh4 = sharding.make_mesh(4, 1)
         Learner(params.from_pretrained(ckpt, mesh=mesh4), cfg(WIDTHS, mb=2), mesh=mesh4)

@@ -10,7 +10,9 @@ import torch
 
 from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.batch import Batch
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig, lr_schedule
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.update import lr_schedule
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 B, T = 8, 24

@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cleaner_jax.models import params
-from cleaner_jax.rl.learner import Learner, LearnerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 
 

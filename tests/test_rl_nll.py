@@ -11,7 +11,8 @@ import pytest
 from cleaner_jax import wiring
 from cleaner_jax.config import validate
 from cleaner_jax.models import params
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import StepConfig, build_batch, group_advantages, rl_step, shaped_rewards
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint

@@ -9,7 +9,8 @@ import pytest
 
 from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
                                  rl_step_with_old_logprobs, shaped_rewards, with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint

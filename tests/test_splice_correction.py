@@ -16,7 +16,8 @@ from cleaner_jax.config import ConfigError, base_config, validate
 from cleaner_jax.models import params
 from cleaner_jax.rl import losses
 from cleaner_jax.rl.batch import from_trajectories
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.logprob_gap import splice_metrics
 from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.saar import config as saar_config

@@ -14,7 +14,7 @@ from cleaner_jax.models.config import ARCHITECTURES, ATTENTION_IMPLS, REMAT_POLI
 from cleaner_jax.rewards.choice import MODES as CHOICE_MODES
 from cleaner_jax.rewards.code import THINK_SPLITS
 from cleaner_jax.rl.advantages import Estimator
-from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.loss_scale import LossScaleConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.rl.step import StepConfig

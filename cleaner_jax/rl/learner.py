@@ -39,13 +39,14 @@ process passes its own rows, the same number in every process, and the global ba
 rows in process order, assembled on the devices (`rl.batch.place_batch`); a micro-batch takes
 `micro_batch_size / processes` rows of each. The jitted step computes over the global batch,
 so its metrics are global; `logprobs` returns each process's own rows; checkpoints and the HF
-export are collective (every process calls them). The pure pieces live in `rl/update.py`.
+export are collective (every process calls them). The pure pieces live in `rl/update.py`, the
+configuration (`LearnerConfig`, `OptimizerConfig`) in `rl/learner_config.py`.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from contextlib import nullcontext
 from typing import Any, Mapping
 
@@ -55,63 +56,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cleaner_jax import distributed, schema
+from cleaner_jax import distributed
 from cleaner_jax.models.sharding import FSDP, mesh_processes
-from cleaner_jax.rl.batch import (Batch, at_width, local_rows, padded_fraction, parse_widths, place_batch,
-                                  plan_micro_batches, validate_batch)
+from cleaner_jax.rl.batch import (Batch, at_width, local_rows, padded_fraction, place_batch, plan_micro_batches,
+                                  validate_batch)
 from cleaner_jax.rl.checkpointing import Checkpointer
-from cleaner_jax.rl.loss_scale import SCALED_DTYPES, LossScaleConfig, LossScaleState, init_state
-from cleaner_jax.rl.losses import LossConfig, LossOutput
-# the pure, jitted pieces (re-exported: `learner._jit_train_step` is what benches lower)
-from cleaner_jax.rl.update import (_jit_accumulate, _jit_apply, _jit_logprobs, _jit_train_step, _Layout,
-                                   _micro_loss, lr_schedule, make_optimizer)
+from cleaner_jax.rl.learner_config import LearnerConfig
+from cleaner_jax.rl.loss_scale import SCALED_DTYPES, LossScaleState, init_state
+from cleaner_jax.rl.losses import LossOutput
+from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_step, lr_schedule,
+                                   make_optimizer, micro_loss)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW + global-norm clipping + linear warmup, each field declared once (the run config's
-    `optim.*` keys borrow them). Defaults: the authors' 4B run."""
-
-    learning_rate: float = schema.field(2e-6, gt=0.0, help="peak AdamW learning rate")
-    warmup_steps: int = schema.field(20, ge=0, help="linear warmup in RL steps (see updates_per_lr_step); 0 = constant")
-    updates_per_lr_step: int = schema.field(
-        1, ge=1, help="optimizer updates per RL step (mini-batches x PPO epochs)")
-    b1: float = schema.field(0.9, ge=0.0, lt=1.0, help="AdamW beta1")
-    b2: float = schema.field(0.999, ge=0.0, lt=1.0, help="AdamW beta2")
-    eps: float = schema.field(1e-8, gt=0.0, help="AdamW epsilon")
-    weight_decay: float = schema.field(0.01, ge=0.0, help="AdamW decoupled weight decay")
-    max_grad_norm: float = schema.field(1.0, help="global-norm gradient clip; <= 0 disables clipping")
-
-    def __post_init__(self) -> None:
-        schema.check(self)
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    loss: LossConfig = field(default_factory=LossConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # used with float16 compute only
-    micro_batch_size: int = schema.field(4, ge=1, help="sequences per gradient-accumulation micro-batch")
-    logprob_micro_batch_size: int = schema.field(8, ge=1, help="sequences per micro-batch in logprobs() (no grad)")
-    temperature: float = schema.field(
-        1.0, gt=0.0, help="the rollout sampling temperature, log_softmax(logits / T): RL needs sampled "
-        "log-probs, so greedy (0) cannot train")
-    logprob_chunk_size: int = schema.field(1024, ge=1, help="tokens per LM-head chunk (peak memory [mb, chunk, V])")
-    bucket_widths: str = schema.field(
-        "", help="length bucketing: comma-separated ascending widths; each micro-batch of the length-sorted "
-        "mini-batch is padded to the smallest that fits ('' = off: every row padded to the batch's width; "
-        "rl.batch.bucket_widths)")
-
-    def __post_init__(self) -> None:
-        schema.check(self)
-        parse_widths(self.bucket_widths, "LearnerConfig.bucket_widths")
-
-    @property
-    def widths(self) -> tuple[int, ...]:
-        """The bucket widths; () = bucketing off."""
-        return parse_widths(self.bucket_widths, "LearnerConfig.bucket_widths")
 
 
 # ----------------------------------------------------------------------------- stateful wrapper
@@ -142,7 +98,7 @@ class Learner:
             # device_put commits every leaf, so the second step hits the first step's compile.
             opt_state = self.tx.init(self.params)
             self.opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), opt_state)
-        self._layout = _Layout.of((self.params, self.opt_state)) if mesh is not None else None
+        self._layout = Layout.of((self.params, self.opt_state)) if mesh is not None else None
         if cfg.widths and mesh is not None:  # each bucketed micro-batch is placed on the mesh by itself
             for name, size in (("micro_batch_size", cfg.micro_batch_size),
                                ("logprob_micro_batch_size", cfg.logprob_micro_batch_size)):
@@ -229,9 +185,9 @@ class Learner:
             return self._bucketed_logprobs(ids, attn, temperature)
         placed_ids, placed_attn = place_batch((ids, attn), self.mesh)
         with self._mesh_ctx():
-            out = _jit_logprobs(self.params, self.rest, placed_ids, placed_attn,
-                                graphdef=self.graphdef, micro_batch_size=self.cfg.logprob_micro_batch_size,
-                                temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
+            out = jit_logprobs(self.params, self.rest, placed_ids, placed_attn,
+                               graphdef=self.graphdef, micro_batch_size=self.cfg.logprob_micro_batch_size,
+                               temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
         return local_rows(out, self.mesh)
 
     def _bucketed_logprobs(self, ids: np.ndarray, attn: np.ndarray, temperature: float) -> np.ndarray:
@@ -247,7 +203,7 @@ class Learner:
             plan = plan_micro_batches(attn.sum(axis=1).astype(np.int64), self._local(mb), self.cfg.widths)
             for rows, w in self._agreed_widths(plan):
                 placed_ids, placed_attn = place_batch(at_width((ids[rows], attn[rows]), w), self.mesh)
-                parts.append((rows, _jit_logprobs(
+                parts.append((rows, jit_logprobs(
                     self.params, self.rest, placed_ids, placed_attn, graphdef=self.graphdef, micro_batch_size=mb,
                     temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)))
         out = np.zeros(ids.shape, np.float32)
@@ -273,7 +229,7 @@ class Learner:
         else:
             placed = place_batch(host, self.mesh)
             with self._mesh_ctx():
-                self.params, self.opt_state, self.scaler, metrics = _jit_train_step(
+                self.params, self.opt_state, self.scaler, metrics = jit_train_step(
                     self.params, self.rest, self.opt_state, self.scaler, placed, graphdef=self.graphdef, cfg=self.cfg,
                     layout=self._layout, loss_scaling=self.loss_scaling)
             shapes = [host.input_ids.shape]
@@ -309,9 +265,9 @@ class Learner:
                 mb = place_batch(at_width(host.rows(rows), w), self.mesh)
                 if acc is None:
                     acc = self._zero_accumulators(mb)
-                    layout = _Layout.of(acc) if self.mesh is not None else None
-                acc = _jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
-            self.params, self.opt_state, self.scaler, metrics = _jit_apply(
+                    layout = Layout.of(acc) if self.mesh is not None else None
+                acc = jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
+            self.params, self.opt_state, self.scaler, metrics = jit_apply(
                 self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(policy_tokens),
                 cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
         return metrics, [(len(rows), w) for rows, w in plan]
@@ -321,7 +277,7 @@ class Learner:
         key = jax.tree.structure(mb)
         if key not in self._out_shapes:
             self._out_shapes[key] = jax.eval_shape(
-                lambda p: _micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1], self.params)
+                lambda p: micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1], self.params)
         zero_out = self._placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._out_shapes[key]))
         return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), self.params), zero_out
 

@@ -1,15 +1,17 @@
 """The learner's pure, jitted pieces: the optimizer, log-probs, one micro-batch's loss and
 gradient, exact accumulation over micro-batches and the update with its finiteness skip
-(`cleaner_jax.rl.learner` explains the maths and holds the stateful `Learner` around them).
+(`cleaner_jax.rl.learner` explains the maths and holds the stateful `Learner` around them; it
+imports this module, never the other way: the config types are in `rl/learner_config.py`).
 They are pure functions of arrays, so a notebook or bench (`bench/memory_report.py`) can lower
-or call them without a `Learner`; they are jitted at module level with the graph and config
-as static arguments, so learners of the same model and config share one compiled executable.
+or call them (`jit_train_step`, `jit_logprobs`) without a `Learner`; they are jitted at module
+level with the graph and config as static arguments, so learners of the same model and config
+share one compiled executable.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +19,11 @@ import optax
 from flax import nnx
 
 from cleaner_jax.rl.batch import Batch, split_micro_batches
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.logprob_gap import logprob_gap_sums
 from cleaner_jax.rl.logprobs import token_logprobs
 from cleaner_jax.rl.loss_scale import LossScaleState, next_state
 from cleaner_jax.rl.losses import LossOutput, combine, compute_loss, reduce_metrics
-
-if TYPE_CHECKING:  # annotations only: learner.py imports this module
-    from cleaner_jax.rl.learner import LearnerConfig, OptimizerConfig
 
 
 def lr_schedule(cfg: OptimizerConfig) -> Callable[[jax.Array], jax.Array]:
@@ -67,8 +67,8 @@ def batch_logprobs(graphdef: nnx.GraphDef, micro_batch_size: int, temperature: f
     return out.swapaxes(0, 1).reshape(input_ids.shape)  # undo the strided split
 
 
-def _micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
-                mb: Batch) -> tuple[jax.Array, LossOutput]:
+def micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
+               mb: Batch) -> tuple[jax.Array, LossOutput]:
     logp, ent = model_logprobs(graphdef, params, rest, mb.input_ids, mb.attention_mask, cfg.temperature,
                                cfg.logprob_chunk_size, with_entropy=True)
     old = mb.old_logprobs if mb.old_logprobs is not None else jax.lax.stop_gradient(logp)
@@ -126,7 +126,7 @@ def micro_grads(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, r
     `loss_scaling` the backward pass runs on ``loss_sum * scale / loss_count`` and the gradient
     is divided by that factor again (see `train_step`)."""
     def scaled_loss(p: nnx.State, r: nnx.State, m: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array]]:
-        loss_sum, out = _micro_loss(graphdef, cfg, p, r, m)
+        loss_sum, out = micro_loss(graphdef, cfg, p, r, m)
         if not loss_scaling:
             return loss_sum, (out, jnp.ones((), jnp.float32))
         factor = jax.lax.stop_gradient(scale / jnp.maximum(out.loss_count, 1.0))
@@ -142,7 +142,7 @@ def zero_accumulators(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.St
                       mb: Batch) -> tuple[Any, LossOutput]:
     """Zero f32 gradients (each with its parameter's sharding) and a zero `LossOutput` of the
     structure a micro-batch like `mb` produces (its optional fields decide the metrics)."""
-    out_shape = jax.eval_shape(lambda p: _micro_loss(graphdef, cfg, p, rest, mb)[1], params)
+    out_shape = jax.eval_shape(lambda p: micro_loss(graphdef, cfg, p, rest, mb)[1], params)
     zero_out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
     return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params), zero_out
 
@@ -174,16 +174,16 @@ def apply_update(tx: optax.GradientTransformation, cfg: LearnerConfig, params: n
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     """A hashable pytree of shardings, so the output layout can be a static jit argument."""
 
     treedef: Any
     leaves: tuple[Any, ...]
 
     @staticmethod
-    def of(tree: Any) -> "_Layout":
+    def of(tree: Any) -> "Layout":
         leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x.sharding, tree))
-        return _Layout(treedef, tuple(leaves))
+        return Layout(treedef, tuple(leaves))
 
     def tree(self) -> Any:
         return jax.tree.unflatten(self.treedef, self.leaves)
@@ -193,9 +193,9 @@ class _Layout:
 # model and config share one compiled executable.
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"),
                    donate_argnames=("params", "opt_state"))
-def _jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
-                    batch: Batch, *, graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: _Layout | None,
-                    loss_scaling: bool) -> Any:
+def jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
+                   batch: Batch, *, graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
+                   loss_scaling: bool) -> Any:
     params, opt_state, scaler, metrics = train_step(graphdef, make_optimizer(cfg.optimizer), cfg, params, rest,
                                                     opt_state, scaler, batch, loss_scaling=loss_scaling)
     if layout is not None:  # keep parameters and moments where they were (norms stay replicated)
@@ -204,9 +204,9 @@ def _jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptStat
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"), donate_argnames=("acc",))
-def _jit_accumulate(params: nnx.State, rest: nnx.State, scale: jax.Array, acc: tuple[Any, LossOutput], mb: Batch, *,
-                    graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: _Layout | None,
-                    loss_scaling: bool) -> tuple[Any, LossOutput]:
+def jit_accumulate(params: nnx.State, rest: nnx.State, scale: jax.Array, acc: tuple[Any, LossOutput], mb: Batch, *,
+                   graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
+                   loss_scaling: bool) -> tuple[Any, LossOutput]:
     """Bucketed train step, part 1: add one micro-batch's gradient and loss sums to `acc`
     (compiled once per bucket width)."""
     g, out = micro_grads(graphdef, cfg, params, rest, scale, mb, loss_scaling=loss_scaling)
@@ -215,9 +215,9 @@ def _jit_accumulate(params: nnx.State, rest: nnx.State, scale: jax.Array, acc: t
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "loss_scaling"), donate_argnames=("params", "opt_state"))
-def _jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
-               num_policy_tokens: jax.Array, *, cfg: LearnerConfig, layout: _Layout | None,
-               loss_scaling: bool) -> Any:
+def jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
+              num_policy_tokens: jax.Array, *, cfg: LearnerConfig, layout: Layout | None,
+              loss_scaling: bool) -> Any:
     """Bucketed train step, part 2: the update from the accumulated sums (compiled once)."""
     params, opt_state, scaler, metrics = apply_update(make_optimizer(cfg.optimizer), cfg, params, opt_state, scaler,
                                                       g_sum, out, num_policy_tokens, loss_scaling=loss_scaling)
@@ -227,6 +227,6 @@ def _jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleSt
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch_size", "temperature", "chunk_size"))
-def _jit_logprobs(params: nnx.State, rest: nnx.State, input_ids: jax.Array, attention_mask: jax.Array, *,
-                  graphdef: nnx.GraphDef, micro_batch_size: int, temperature: float, chunk_size: int) -> jax.Array:
+def jit_logprobs(params: nnx.State, rest: nnx.State, input_ids: jax.Array, attention_mask: jax.Array, *,
+                 graphdef: nnx.GraphDef, micro_batch_size: int, temperature: float, chunk_size: int) -> jax.Array:
     return batch_logprobs(graphdef, micro_batch_size, temperature, chunk_size, params, rest, input_ids, attention_mask)

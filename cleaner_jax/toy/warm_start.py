@@ -27,7 +27,8 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import params
 from cleaner_jax.rl.batch import from_trajectories
-from cleaner_jax.rl.learner import Learner, LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.toy import task as toy_task
 
