@@ -1,5 +1,6 @@
-"""The folder layering declared in `.importlinter` holds for the real import graph, and the
-check itself fails when an upward import is added (so it cannot pass vacuously)."""
+"""The folder layering declared in `.importlinter` holds for the real import graph, and no
+folder (nor the top-level modules) holds an import circle; each check itself fails when an
+upward import or a circle is added (so it cannot pass vacuously)."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
+ACYCLIC = "No import circles inside a folder"  # the acyclic_siblings contract's name in .importlinter
 
 
 def _lint(package_parent: Path) -> subprocess.CompletedProcess[str]:
@@ -47,3 +49,61 @@ def test_an_upward_import_breaks_the_check(tmp_path: Path, module: str, upward: 
     assert "BROKEN" in out.stdout
     imported = upward.split()[1]
     assert imported in out.stdout, out.stdout
+
+
+def _circles_in(stdout: str) -> str:
+    """The acyclic contract's part of the report (from its heading on)."""
+    return stdout[stdout.rindex(ACYCLIC):]
+
+
+def test_no_import_circle_inside_any_folder() -> None:
+    out = _lint(ROOT)
+    assert f"{ACYCLIC} KEPT" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("module, back, package, pair", [
+    ("models/qwen.py", "from cleaner_jax.models import params", "cleaner_jax.models", ("qwen", "params")),  # model -> its loader
+    ("rl/update.py", "from cleaner_jax.rl import learner", "cleaner_jax.rl", ("update", "learner")),  # pure step -> learner
+    ("rl/learner_config.py", "from cleaner_jax.rl import update", "cleaner_jax.rl", ("learner_config", "update")),
+    ("session.py", "from cleaner_jax import train", "cleaner_jax", ("session", "train")),  # top-level modules
+    ("rollout/protocol.py", "from cleaner_jax.rollout import client", "cleaner_jax.rollout", ("protocol", "client")),
+])
+def test_an_import_circle_breaks_the_check(tmp_path: Path, module: str, back: str, package: str,
+                                           pair: tuple[str, str]) -> None:
+    """`module` already imports the other side of `pair`: the import added back closes a circle."""
+    parent = _copy_package(tmp_path)
+    target = parent / "cleaner_jax" / module
+    target.write_text(target.read_text() + f"\n{back}  # deliberately circular\n")
+    out = _lint(parent)
+    assert out.returncode != 0, out.stdout
+    assert f"{ACYCLIC} BROKEN" in out.stdout, out.stdout
+    report = _circles_in(out.stdout)
+    assert f"No cycles are allowed in {package}.\n" in report, report
+    a, b = pair
+    assert f".{a} -> .{b}" in report or f".{b} -> .{a}" in report, report
+
+
+def test_the_circle_check_covers_every_folder(tmp_path: Path) -> None:
+    """In a copy where the first two children of every package (the package itself, each folder)
+    import each other, the check names every package: none is outside the contract. (A folder
+    with one module cannot hold a circle and is skipped.)"""
+    parent = _copy_package(tmp_path)
+    packages = sorted(p.parent for p in (parent / "cleaner_jax").rglob("__init__.py"))
+    expected = []
+    for pkg in packages:
+        children = sorted(c for c in pkg.iterdir()
+                          if (c.suffix == ".py" and c.name != "__init__.py") or (c / "__init__.py").is_file())
+        if len(children) < 2:
+            continue
+        name = ".".join(pkg.relative_to(parent).parts)
+        first, second = children[:2]
+        for child, other in ((first, second), (second, first)):
+            source = child / "__init__.py" if child.is_dir() else child
+            source.write_text(source.read_text() + f"\nimport {name}.{other.stem}  # deliberately circular\n")
+        expected.append(name)
+    assert {"cleaner_jax", "cleaner_jax.models", "cleaner_jax.rl"} <= set(expected), expected
+    out = _lint(parent)
+    assert f"{ACYCLIC} BROKEN" in out.stdout, out.stdout
+    report = _circles_in(out.stdout)
+    missing = [name for name in expected if f"No cycles are allowed in {name}.\n" not in report]
+    assert not missing, report
