@@ -103,7 +103,10 @@ def test_infra_failures_are_excluded_not_scored(tok, sandbox):
     batch = build_batch(scored, adv.advantages, pad_id=0)
     assert batch.input_ids.shape[0] == 2
     np.testing.assert_array_equal(batch.advantages, adv.advantages[1:])  # the valid rows, in order
-    assert rollout_metrics(scored)["infra/invalid_episodes"] == 1
+    m = rollout_metrics(scored)
+    assert m["infra/invalid_episodes"] == 1
+    # the failure is counted although its episode is out of every other statistic
+    assert m["tool_calls/infra_failures"] == 1 and scored[0].episode.stats.infra_failures == 1
 
 
 def test_overlong_shaping_counts_observation_tokens(tok, sandbox):

@@ -58,3 +58,17 @@ def test_success_rate_falls_back_to_all_attempts():
     assert step_metrics([e])["tool_calls/success_rate"] == 0.5
     with pytest.raises(ValueError, match="at least one episode"):
         step_metrics([])
+
+
+def test_infra_failures_count_the_excluded_episodes_too():
+    """An infra failure makes its episode invalid, so over the trained-on episodes alone the
+    count would always be 0: the step's excluded episodes count in it, and in nothing else."""
+    valid = _episode([_turn([10, 480, 2], 1, cs=1), _obs([101], 1, "result", False), _turn([2], 2)],
+                     ToolStats(tool_call_total=1, tool_call_success=1, first_attempt_total=1, first_attempt_success=1), [])
+    broken = _episode([_turn([10, 480, 2], 1, cs=1)], ToolStats(infra_failures=1), [], drawn_on=False)
+    alone = step_metrics([valid])
+    assert alone["tool_calls/infra_failures"] == 0.0
+    m = step_metrics([valid], excluded=[broken, broken])
+    assert m["tool_calls/infra_failures"] == 2.0
+    assert {k: v for k, v in m.items() if k != "tool_calls/infra_failures"} == \
+        {k: v for k, v in alone.items() if k != "tool_calls/infra_failures"}

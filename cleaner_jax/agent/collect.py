@@ -234,10 +234,13 @@ def check_lost(metrics: Mapping[str, float], max_fraction: float) -> None:
 
 
 def rollout_metrics(scored: Sequence[ScoredEpisode]) -> dict[str, float]:
-    """The step's reward, length, tool and SAAR metrics over its valid episodes."""
+    """The step's reward, length, tool and SAAR metrics over its valid episodes, but
+    `tool_calls/infra_failures`, which counts the invalid episodes' records too: an infra
+    failure is what makes an episode invalid (`Collector`), so over valid ones it would be 0."""
     valid = [s for s in scored if s.valid]
     episodes = [s.episode for s in valid]
-    out = step_metrics(episodes) if episodes else {}
+    excluded = [s.episode for s in scored if not s.valid and s.episode is not None]  # a lost rollout has none
+    out = step_metrics(episodes, excluded=excluded) if episodes else {}
     out["reward/acc"] = float(np.mean([s.acc for s in valid])) if valid else float("nan")
     out["reward/score_mean"] = float(np.mean([s.score for s in valid])) if valid else float("nan")
     out["infra/invalid_episodes"] = float(len(scored) - len(valid))

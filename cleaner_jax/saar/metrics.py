@@ -3,7 +3,8 @@
 The authors' set (docs/authors.md §2.8) with one deliberate fix: failure reasons count
 failures, not trajectories having the label (§9.17). Added: tool calls and errors per
 trajectory in the raw and the purified trajectories, the share of SAAR-spliced policy tokens,
-purified-trajectory share, similarity mean, tokens removed/inserted, infra failures.
+purified-trajectory share, similarity mean, tokens removed/inserted, and infra failures (over
+the step's excluded episodes too: those are where they happen).
 The authors' run-cumulative `tool_calls/global_success_rate` is not logged (a pure per-step
 function has no run state, and a resumed run would have to restore it): it is the ratio of the
 running sums of the per-step `tool_calls/all_successes` and `tool_calls/all_attempts`, which
@@ -22,7 +23,11 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else 0.0
 
 
-def step_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = ()) -> dict[str, float]:
+    """The step's tool and SAAR metrics over `episodes` (the ones trained on). `excluded`: the
+    step's episodes left out of training (invalid) that have a record; they count only in
+    `tool_calls/infra_failures`, since an infra failure is what excludes an episode (the
+    collector's rule), so over the trained-on episodes alone that count is always 0."""
     n = len(episodes)
     if n == 0:
         raise ValueError("step_metrics needs at least one episode")
@@ -39,7 +44,7 @@ def step_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
         "tool_calls/success_rate": _ratio(first_ok, first_total) if first_total else _ratio(all_ok, all_total),
         "tool_calls/all_attempts": float(all_total),
         "tool_calls/all_successes": float(all_ok),
-        "tool_calls/infra_failures": float(sum(s.infra_failures for s in stats)),
+        "tool_calls/infra_failures": float(sum(e.stats.infra_failures for e in (*episodes, *excluded))),
         "rollback/global_triggered": float(triggered),
         "rollback/global_recovered": float(recovered),
         "rollback/global_failed": float(sum(s.failed for s in stats)),
