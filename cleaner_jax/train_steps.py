@@ -118,7 +118,6 @@ class StepLoop:
         # a fixed probe sequence for the weight-sync check: the first toy prompt
         probe = toy_task.make_problems(1, seed=4242)[0]
         self.probe_ids = list(session.chat.prompt_ids(probe.messages))[:64]
-        self._sandbox_counts: dict[str, int] = {}  # the sandbox counters at the end of the previous step
         self._released: list[str] = []  # rollout.colocated: the servers whose memory is released now
 
     def run(self, start: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
@@ -145,7 +144,6 @@ class StepLoop:
                 sync, sync_failure = None, err
             metrics.update(rollout_metrics(scored))
             metrics.update(self.infra)
-            metrics.update(self.sandbox_faults())
             metrics.update(colocate)
             metrics.update({
                 "data/sampling_rounds": float(rounds), "data/position": float(sampler.position),
@@ -228,15 +226,6 @@ class StepLoop:
                                   f"(/server_info has enable_memory_saver={info.get('enable_memory_saver')!r}), so it "
                                   "cannot release its memory: restart it with the flag or set rollout.colocated=False")
 
-    def sandbox_faults(self) -> dict[str, float]:
-        """The sandbox's fault counters since the previous step (docs/reliability.md row 2)."""
-        sb = self.session.sandbox
-        now = {"infra/sandbox_retried_calls": sb.retried_calls, "infra/sandbox_infra_results": sb.infra_results,
-               "infra/sandbox_replaced_workers": sb.replaced_workers}
-        before, self._sandbox_counts = self._sandbox_counts, now
-        mine = {k: float(v - before.get(k, 0)) for k, v in now.items()}
-        return dict(zip(mine, map(float, distributed.all_sum(np.asarray(list(mine.values()))))))  # every process's
-
     def log_skipped(self, step: int, scored: list[ScoredEpisode], calls_before: int) -> list[list[str]]:
         """The episode ids of this step's skipped updates, each logged as a warning."""
         updates = self.step_cfg.mini_batches
@@ -279,7 +268,10 @@ class StepLoop:
         collector, fleet = session.collector, session.fleet
         sampling = train_sampling(c)
         position = sampler.position
-        collector.take_counters(), session.client.take_counters(), fleet.take_counters()  # this step's only
+        # the step's rollout counts only (the evaluation between steps also drives the collector and
+        # the client); the sandbox's are left to run on: its faults since the previous step, the
+        # evaluation's and the warm start's included (docs/metrics.md)
+        collector.take_counters(), session.client.take_counters(), fleet.take_counters()
         mine: list[ScoredEpisode] = []
         rounds, failure = 1, None
         try:
@@ -296,11 +288,12 @@ class StepLoop:
                     seed=rollout_seed(c.train.seed, step), max_rounds=c.algo.dynamic_sampling_max_rounds))
         except RolloutUnavailableError as err:
             failure = err
-        counts = (collector.take_counters(), session.client.take_counters(), fleet.take_counters())
+        counts = (collector.take_counters(), session.client.take_counters(), fleet.take_counters(),
+                  session.sandbox.take_counters())
         parts = distributed.gather_objects((mine, counts, failure))  # [(episodes, counters, error)] per process
         scored = [s for episodes, _, _ in parts for s in episodes]
         self.infra = infra_metrics(*(sum((collections.Counter(cnt[k]) for _, cnt, _ in parts), collections.Counter())
-                                     for k in range(3)))
+                                     for k in range(4)))
         try:
             for p, (_, _, err) in enumerate(parts):
                 if err is not None:

@@ -177,7 +177,7 @@ def test_killed_server_one_of_two_then_the_only_one(tok, sandbox):
     assert [s.score for s in got] == [s.score for s in ref]
     assert episodes == {"episodes": 2, "regenerated_episodes": 1, "episode_restarts": 1}
     assert faults["servers_lost"] == 1 and list(gone) == [a.url] and gone[a.url].startswith("unreachable")
-    m = infra_metrics(episodes, faults, {})
+    m = infra_metrics(episodes, faults, {}, {})
     assert m["infra/regenerated_episodes"] == 1 and m["infra/lost_episodes"] == 0 and m["infra/lost_fraction"] == 0
     # then the only one
     assert set(ref_versions) == {"v1"} and set(versions) == {"v1"}  # never the restarted server's initial weights
@@ -228,7 +228,7 @@ def test_an_episode_that_cannot_be_kept_is_counted_logged_with_its_length_and_st
     for line in lost:
         so_far = int(line.split(" tokens so far (")[0].rsplit(" ", 1)[1])
         assert so_far > prompt_len + obs_and_turn - 1 and f"({prompt_len} of prompt" in line
-    m = infra_metrics(episodes, client.take_counters(), {})
+    m = infra_metrics(episodes, client.take_counters(), {}, {})
     assert m["infra/lost_episodes"] == 2 and m["infra/lost_fraction"] == 1.0 and m["infra/request_timeouts"] == 4
     check_lost(m, 1.0)  # at the limit: allowed
     with pytest.raises(LostEpisodesError, match=r"rollout.max_lost_fraction=0.5"):

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cleaner_jax.agent.collect import Collector, rollout_metrics
+from cleaner_jax.agent.collect import Collector, infra_metrics, rollout_metrics
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
@@ -497,4 +497,11 @@ def test_the_collector_marks_the_episode_invalid_and_out_of_the_statistics(make_
     m = rollout_metrics(scored)
     assert m["infra/invalid_episodes"] == 1.0
     assert m["tool_calls/all_attempts"] == 2.0 and m["tool_calls/success_rate"] == 1.0  # the valid two only
+    assert m["tool_calls/infra_failures"] == 1.0  # over every episode of the step: the invalid one's
+    # the sandbox's own counts of the step, as the trainer's `infra/sandbox_*` metrics take them
+    counters = sb.take_counters()
+    assert counters == {"retried_calls": 1, "infra_results": 1, "replaced_workers": 2}
+    assert sb.take_counters() == {}  # since the last take: nothing new
+    assert {k: v for k, v in infra_metrics({}, {}, {}, counters).items() if k.startswith("infra/sandbox_")} == {
+        "infra/sandbox_retried_calls": 1.0, "infra/sandbox_infra_results": 1.0, "infra/sandbox_replaced_workers": 2.0}
     _assert_pool_clean(sb, make_sandbox.seen(sb), 2)

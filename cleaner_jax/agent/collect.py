@@ -204,9 +204,11 @@ async def collect_informative(collector: Collector, take: Callable[[int], Sequen
     return kept, rounds
 
 
-def infra_metrics(episodes: Mapping[str, int], client: Mapping[str, int], fleet: Mapping[str, int]) -> dict[str, float]:
-    """One step's rollout-fault counts (the collector's, the client's and the fleet's counters)
-    as `infra/*` metrics (docs/metrics.md)."""
+def infra_metrics(episodes: Mapping[str, int], client: Mapping[str, int], fleet: Mapping[str, int],
+                  sandbox: Mapping[str, int]) -> dict[str, float]:
+    """One step's fault counts as `infra/*` metrics (docs/metrics.md): the `take_counters()` of
+    the collector, the rollout client, the rollout fleet (docs/reliability.md row 1) and the
+    sandbox (row 2), each summed over the learner processes by the caller."""
     total = episodes.get("episodes", 0)
     lost = episodes.get("lost_episodes", 0)
     return {
@@ -219,6 +221,9 @@ def infra_metrics(episodes: Mapping[str, int], client: Mapping[str, int], fleet:
         "infra/servers_lost": float(client.get("servers_lost", 0)),
         "infra/server_restarts": float(fleet.get("server_restarts", 0)),
         "infra/servers_readmitted": float(fleet.get("servers_readmitted", 0)),
+        "infra/sandbox_retried_calls": float(sandbox.get("retried_calls", 0)),
+        "infra/sandbox_infra_results": float(sandbox.get("infra_results", 0)),
+        "infra/sandbox_replaced_workers": float(sandbox.get("replaced_workers", 0)),
     }
 
 

@@ -209,6 +209,7 @@ class Sandbox:
         self.replaced_workers = 0  # workers killed and started afresh (dead, hung or failed)
         self.retried_calls = 0  # calls re-run after an infra failure
         self.infra_results = 0  # calls that came back "infra" after their retries
+        self._taken = {"retried_calls": 0, "infra_results": 0, "replaced_workers": 0}  # at the last take_counters()
         self.root_dir = tempfile.mkdtemp(prefix="cleaner_sandbox_")
         os.chmod(self.root_dir, 0o711)  # (used only without a mount namespace) the code's uid
         # may traverse into its own 0700 work dir, nothing else
@@ -290,6 +291,16 @@ class Sandbox:
         with self._lock:
             return [w.hello["uid"] for w in self._all.values()
                     if w.hello is not None and w.hello.get("uid") is not None]
+
+    def take_counters(self) -> dict[str, int]:
+        """The fault counters since the last call, the nonzero ones (like the rollout client's and
+        fleet's): a trainer's per-step `infra/sandbox_*` metrics. The attributes stay running totals
+        since the pool started, which the fault tests read."""
+        with self._lock:
+            now = {"retried_calls": self.retried_calls, "infra_results": self.infra_results,
+                   "replaced_workers": self.replaced_workers}
+            before, self._taken = self._taken, now
+        return {k: v - before[k] for k, v in now.items() if v != before[k]}
 
     # ------------------------------------------------------------ execution
 
