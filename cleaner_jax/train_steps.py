@@ -37,7 +37,7 @@ from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models.params import ExportFailedError, NonFiniteWeightsError
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
-from cleaner_jax.rl.step import rl_step_with_old_logprobs, valid_rows
+from cleaner_jax.rl.step import rl_step_outputs, valid_rows
 from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.rollout.weight_sync import SyncReport, WeightSyncError, export_checkpoint, fixed_reference, sync_weights
@@ -45,7 +45,7 @@ from cleaner_jax.session import Session, export_root
 from cleaner_jax.toy import task as toy_task
 from cleaner_jax.toy import warm_cache
 from cleaner_jax.trajectory import ScoredEpisode
-from cleaner_jax.viz.dumps import step_advantages, token_pieces, write_step
+from cleaner_jax.viz.dumps import token_pieces, write_step
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict
 from cleaner_jax.wiring import eval_plan, eval_specs, step_config, train_sampling
 
@@ -132,7 +132,8 @@ class StepLoop:
             colocate = self.release_rollout() if c.rollout.colocated else {}  # the learner phase gets the memory
             t_learn = time.perf_counter()
             calls_before = self.learner.calls
-            metrics, old_logprobs = rl_step_with_old_logprobs(self.learner, mine, self.step_cfg)  # global metrics
+            out = rl_step_outputs(self.learner, mine, self.step_cfg)
+            metrics = dict(out.metrics)  # global metrics
             t_update = time.perf_counter() - t_learn
             skipped_ids = self.log_skipped(step + 1, mine, calls_before)
             if c.rollout.colocated:  # resume, then the sync loads the new weights, then probes
@@ -158,10 +159,11 @@ class StepLoop:
                 })
             self.writer.write(step + 1, metrics)
             self.writer.flush()
-            if c.train.dump_trajectories:  # every process's old log-probs, in the order of `scored`
-                old_logprobs = [lp for part in distributed.gather_objects(old_logprobs) for lp in part]
+            if c.train.dump_trajectories:  # every process's advantages and old log-probs, in the order of `scored`
+                advantages = [a for part in distributed.gather_objects(out.advantages.tolist()) for a in part]
+                old_logprobs = [lp for part in distributed.gather_objects(out.old_logprobs) for lp in part]
                 if distributed.is_main():
-                    self.dump(step + 1, scored, old_logprobs)
+                    self.dump(step + 1, scored, advantages, old_logprobs)
             if sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
                 self.learner.save(step + 1, {"data_position": sampler.position})
                 self.learner.wait_until_saved()
@@ -239,11 +241,12 @@ class StepLoop:
                             step, k + 1, updates, ", ".join(ids[k]))
         return out
 
-    def dump(self, step: int, scored: list[ScoredEpisode], old_logprobs: list[np.ndarray | None]) -> None:
+    def dump(self, step: int, scored: list[ScoredEpisode], advantages: list[float],
+             old_logprobs: list[np.ndarray | None]) -> None:
         """The step's trajectories for the viewer (`viz/dumps.py`, `python -m cleaner_jax.viz.serve`),
         with the advantages and old log-probs the step trained with and the γ that decided each splice."""
         tok = self.session.tokenizer
-        write_step(self.wd, step, scored, advantages=step_advantages(scored, self.step_cfg).tolist(),
+        write_step(self.wd, step, scored, advantages=advantages,
                    gamma=self.c.saar.gamma, pieces=token_pieces(tok),
                    decode=lambda ids: tok.decode(list(ids), skip_special_tokens=False), old_logprobs=old_logprobs)
 

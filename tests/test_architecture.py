@@ -39,6 +39,7 @@ def test_layering_contracts_hold() -> None:
     ("saar/purify.py", "from cleaner_jax.rollout import engine"),  # pure SAAR running a model
     ("models/qwen.py", "from cleaner_jax.rl import losses"),  # the model reaching the learner
     ("rl/losses.py", "from cleaner_jax.testing import http"),  # production code using test helpers
+    ("viz/dumps.py", "from cleaner_jax.rl import step"),  # the viewer recomputing what the step wrote
 ])
 def test_an_upward_import_breaks_the_check(tmp_path: Path, module: str, upward: str) -> None:
     parent = _copy_package(tmp_path)

@@ -121,7 +121,7 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
     from cleaner_jax.models import params
     from cleaner_jax.rl.learner import Learner
     from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
-    from cleaner_jax.rl.step import StepConfig, rl_step_with_old_logprobs
+    from cleaner_jax.rl.step import StepConfig, rl_step_outputs
     from cleaner_jax.session import make_mesh
 
     assert jax.process_count() == num_processes and jax.device_count() == 4
@@ -137,8 +137,8 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
     def run_step(learner, step):
         mine = distributed.share(GROUPS)
         episodes = step_episodes(step)[mine.start * GROUP_SIZE:mine.stop * GROUP_SIZE]
-        metrics, old = rl_step_with_old_logprobs(learner, episodes, step_cfg)
-        return metrics, [None if o is None else o.tolist() for o in old]
+        out = rl_step_outputs(learner, episodes, step_cfg)
+        return out.metrics, [None if o is None else o.tolist() for o in out.old_logprobs]
 
     learner = new_learner()
     for step in range(STEPS):

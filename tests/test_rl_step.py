@@ -12,7 +12,7 @@ from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
-                                 rl_step_with_old_logprobs, shaped_rewards, with_old_logprobs)
+                                 rl_step_outputs, shaped_rewards, with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
 from _configs import load_config
@@ -202,7 +202,7 @@ def test_old_logprobs_per_episode_are_the_responses_slices(ckpt, mode):
     ]
     cfg = StepConfig(max_response_tokens=64, mini_batches=1, old_logprobs=mode)
     reference = learner_of(ckpt)  # the same initial weights: the recompute happens before any update
-    _, old = rl_step_with_old_logprobs(learner_of(ckpt), s, cfg)
+    old = rl_step_outputs(learner_of(ckpt), s, cfg).old_logprobs
     assert old[1] is None
     for i in (0, 2, 3):
         t = s[i].episode.purified
@@ -214,6 +214,36 @@ def test_old_logprobs_per_episode_are_the_responses_slices(ckpt, mode):
             want = t.rollout_logprobs
         assert old[i].shape == (len(t.response_ids),)
         np.testing.assert_allclose(old[i], want, rtol=1e-5, atol=1e-5)
+
+
+class _Tokens:
+    """A tokenizer stand-in for the dump writer: token id k reads as "<k>"."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_the_dump_stores_the_advantages_the_step_trained_with(ckpt, tmp_path):
+    """`rl_step_outputs` hands over its advantages: GRPO by hand (NumPy) over the shaped rewards
+    (group 0's three members, group 1's one valid member: r / (1 + eps); the invalid one 0), and
+    exactly what the dumps held when the dump writer recomputed them from the episodes (the same
+    `group_advantages` of `shaped_rewards`); the dump writer stores them unchanged."""
+    from cleaner_jax.viz.dumps import read_step, token_pieces, write_step
+
+    s = hand_episodes()
+    cfg = StepConfig(max_response_tokens=12, overlong_buffer=4, overlong_factor=1.0, mini_batches=1)
+    out = rl_step_outputs(learner_of(ckpt), s, cfg)
+    r0 = np.array([1.0, -1.5, -0.5])  # shaped: 1, -1 - 2/4, 1 - 6/4
+    want = np.concatenate([(r0 - r0.mean()) / (r0.std(ddof=1) + EPS), [-1.0 / (1 + EPS), 0.0]])
+    np.testing.assert_allclose(out.advantages, want, rtol=1e-6)
+    recomputed = group_advantages(s, shaped_rewards(s, 12, 4, 1.0), "grpo", EPS).advantages
+    assert out.advantages.dtype == np.float32 and out.advantages.tolist() == recomputed.tolist()
+    tok = _Tokens()
+    write_step(tmp_path, 3, s, advantages=out.advantages.tolist(), gamma=0.5, pieces=token_pieces(tok),
+               decode=tok.decode, old_logprobs=out.old_logprobs)
+    dumped = read_step(tmp_path, 3)
+    assert [d.advantage for d in dumped] == recomputed.tolist()
+    assert [d.line["gamma"] for d in dumped] == [0.5] * len(s)
 
 
 def test_rl_step_with_length_buckets_equals_the_padded_step(ckpt):
@@ -231,8 +261,8 @@ def test_rl_step_with_length_buckets_equals_the_padded_step(ckpt):
     cfg = StepConfig(max_response_tokens=64, mini_batches=2, old_logprobs="recompute")
     # Adam eps 1e-4: with 1e-8 rounding noise in a near-zero gradient becomes a step of up to lr
     padded, bucketed = learner_of(ckpt, eps=1e-4), learner_of(ckpt, "8,16,128", eps=1e-4)
-    m_pad, old_pad = rl_step_with_old_logprobs(padded, s, cfg)
-    m_bkt, old_bkt = rl_step_with_old_logprobs(bucketed, s, cfg)
+    out_pad, out_bkt = rl_step_outputs(padded, s, cfg), rl_step_outputs(bucketed, s, cfg)
+    (m_pad, old_pad), (m_bkt, old_bkt) = (out_pad.metrics, out_pad.old_logprobs), (out_bkt.metrics, out_bkt.old_logprobs)
     assert m_pad.keys() == m_bkt.keys()
     for k in m_pad:
         if k != "learner/padded_token_frac":

@@ -83,7 +83,7 @@ def _drive(argv: list[str]) -> None:
         return out
 
     S.StepLoop.collect = collect_wrapped
-    rl_step = S.rl_step_with_old_logprobs
+    rl_step = S.rl_step_outputs
 
     def rl_step_wrapped(learner, scored, cfg):
         step = current["step"]
@@ -94,7 +94,7 @@ def _drive(argv: list[str]) -> None:
         note(f"exit update {step}")
         return out
 
-    S.rl_step_with_old_logprobs = rl_step_wrapped
+    S.rl_step_outputs = rl_step_wrapped
     warm = T.warm_start
 
     def warm_wrapped(*args, **kwargs):

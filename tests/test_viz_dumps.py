@@ -93,20 +93,25 @@ def test_unknown_format_and_missing_step_are_named(step, tmp_path):
         read_step(tmp_path, 7)
 
 
-def test_dumped_advantages_are_the_steps_group_advantages(step):
-    """GRPO by hand (NumPy): (r - group mean) / (unbiased group std + eps) for groups {0, 1} and
-    {2, 3}; the singleton group {4} gets r / (1 + eps) (the authors' mean 0, std 1)."""
-    from cleaner_jax.rl.step import StepConfig
-    from cleaner_jax.viz.dumps import step_advantages
-
-    _, s = step
+def test_the_dump_stores_the_advantages_it_is_handed_exactly(step, tmp_path):
+    """The writer stores the advantages the step trained with as they are (it recomputes none):
+    GRPO by hand (NumPy, float32 as the step's): (r - group mean) / (unbiased group std + eps)
+    for groups {0, 1} and {2, 3}; the singleton group {4} gets r / (1 + eps) (the authors' mean 0,
+    std 1). tests/test_rl_step.py checks that the step hands over exactly these."""
+    tok, s = step
     r = np.array([x.score for x in s.scored])
     expected = np.concatenate([(g - g.mean()) / (g.std(ddof=1) + 1e-6) for g in (r[:2], r[2:4])] + [r[4:] / (1 + 1e-6)])
-    np.testing.assert_allclose(step_advantages(s.scored, StepConfig(max_response_tokens=4096)), expected, rtol=1e-5)
+    expected = expected.astype(np.float32)
+    write_step(tmp_path, 2, s.scored, advantages=expected.tolist(), gamma=0.5, pieces=token_pieces(tok),
+               decode=lambda ids: tok.decode(list(ids)))
+    assert [d.advantage for d in read_step(tmp_path, 2)] == expected.tolist()
+    with pytest.raises(ValueError, match="4 advantages for 5 episodes"):
+        write_step(tmp_path, 2, s.scored, advantages=expected.tolist()[:4], gamma=0.5, pieces=token_pieces(tok),
+                   decode=lambda ids: tok.decode(list(ids)))
 
 
 def test_old_logprobs_reach_the_viewer_copy_and_are_checked(step, tmp_path):
-    """The old log-probs the update used (rl.step.rl_step_with_old_logprobs) are stored per
+    """The old log-probs the update used (rl.step.rl_step_outputs) are stored per
     response token; a row of the wrong length or count is refused, naming the episode."""
     tok, s = step
     rng = np.random.default_rng(0)

@@ -217,16 +217,26 @@ def minibatch_update(learner: Learner, batch: Batch, mini_batches: int) -> dict[
     return {f"learner/{k}": v for k, v in sums.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """What one RL step computed, beyond its metrics, per episode of `scored` (in its order):
+    what a trajectory dump shows of the step (`cleaner_jax.viz.dumps.write_step`), handed over
+    so that no reader has to recompute it with the step's code and config."""
+
+    metrics: dict[str, float]  # the step's metrics (`rl_step`'s)
+    advantages: np.ndarray  # [N] float32: the group advantage each episode trained with; 0 for an invalid one
+    old_logprobs: list[np.ndarray | None]  # [R_i] per episode (`episode_old_logprobs`); None for an invalid one
+
+
 def rl_step(learner: Learner, scored: Sequence[ScoredEpisode], cfg: StepConfig) -> dict[str, float]:
     """Train `learner` on one step's scored episodes; returns the step's metrics."""
-    return rl_step_with_old_logprobs(learner, scored, cfg)[0]
+    return rl_step_outputs(learner, scored, cfg).metrics
 
 
-def rl_step_with_old_logprobs(learner: Learner, scored: Sequence[ScoredEpisode],
-                              cfg: StepConfig) -> tuple[dict[str, float], list[np.ndarray | None]]:
-    """`rl_step`, also returning the old log-probs each episode's response was trained against
-    (the learner's recompute in decoupled mode), [R_i] per episode, None for an invalid one:
-    what a dump shows beside the behaviour log-probs."""
+def rl_step_outputs(learner: Learner, scored: Sequence[ScoredEpisode], cfg: StepConfig) -> StepOutputs:
+    """`rl_step`, also returning the advantages and the old log-probs (the learner's recompute in
+    decoupled mode) each episode was trained with: what a dump shows beside the behaviour
+    log-probs. With several learner processes they are this process's episodes'."""
     rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
     adv = group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton)
     multiple = learner.cfg.micro_batch_size * cfg.mini_batches
@@ -243,7 +253,8 @@ def rl_step_with_old_logprobs(learner: Learner, scored: Sequence[ScoredEpisode],
     out = minibatch_update(learner, batch, cfg.mini_batches)
     out.update(diagnostics)
     out.update(global_step_metrics(adv, rewards))
-    return out, episode_old_logprobs(scored, batch)  # without_rows leaves old_logprobs as they were
+    # without_rows leaves old_logprobs as they were
+    return StepOutputs(out, adv.advantages, episode_old_logprobs(scored, batch))
 
 
 def global_step_metrics(adv: AdvantageResult, rewards: np.ndarray) -> dict[str, float]:

@@ -12,6 +12,11 @@ included, with their error). Each line holds
   on (per-token pieces, loss mask, rollout and behaviour log-probs, splice kind), the SAAR
   events, the group advantage and the γ that decided shallow vs deep.
 
+The advantages and old log-probs are the ones the step trained with, handed over by the writer's
+caller (the trainer passes `rl.step.StepOutputs`' fields): the viewer shows what the step
+computed, never a recomputation of it, and `viz/` does not import `rl/` (a contract in
+`.importlinter`).
+
 Format 1 (`step_*.jsonl`, raw records only, written before the viewer existed) is still read by
 `read_step` (its episodes have `view=None`; the viewer needs format 2).
 """
@@ -29,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from cleaner_jax.rl.step import StepConfig, group_advantages, shaped_rewards
 from cleaner_jax.trajectory import SPLICED_DEEP, SPLICED_SHALLOW, Episode, ScoredEpisode, Segment
 from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict, read_episodes
 
@@ -50,13 +54,6 @@ def token_pieces(tokenizer: Any) -> Pieces:
     def one(token_id: int) -> str:
         return tokenizer.decode([token_id])
     return lambda ids: [one(int(i)) for i in ids]
-
-
-def step_advantages(scored: Sequence[ScoredEpisode], cfg: StepConfig) -> np.ndarray:
-    """The group advantages `rl.step.rl_step` trains this step with ([N], 0 for invalid): the
-    same pure functions on the same inputs, so the dump needs nothing back from the step."""
-    rewards = shaped_rewards(scored, cfg.max_response_tokens, cfg.overlong_buffer, cfg.overlong_factor)
-    return group_advantages(scored, rewards, cfg.estimator, cfg.adv_eps, cfg.std_floor, cfg.singleton).advantages
 
 
 def saar_outcome(ep: Episode | None) -> str:
@@ -166,7 +163,9 @@ def write_step(workdir: str | Path, step: int, scored: Sequence[ScoredEpisode], 
                gamma: float, pieces: Pieces, decode: Callable[[Sequence[int]], str],
                old_logprobs: Sequence[Sequence[float] | None] | None = None) -> Path:
     """One step's dump (format 2), written whole to a temporary name, fsync'd and then renamed,
-    so a reader (the live viewer) never sees half a file, nor a resumed run a torn one."""
+    so a reader (the live viewer) never sees half a file, nor a resumed run a torn one.
+    `advantages` [N] and `old_logprobs` (one [R_i] or None per episode): what the step trained
+    each episode with, in the order of `scored`."""
     path = dump_path(workdir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
