@@ -280,7 +280,7 @@ def test_colocated_trainer_refuses_a_server_without_memory_saver():
     before its first step naming rollout.colocated (a stand-in server answering like SGLang)."""
     from aiohttp import web
 
-    from cleaner_jax.train_steps import StepLoop
+    from cleaner_jax.train_steps.colocate import ColocatedRollout
 
     async def server_info(_):
         return web.json_response({"enable_memory_saver": False})
@@ -307,12 +307,11 @@ def test_colocated_trainer_refuses_a_server_without_memory_saver():
         def run(self, aw):
             return loop.run_until_complete(aw)
 
-    step_loop = StepLoop.__new__(StepLoop)
-    step_loop.session = Session()
+    colocated = ColocatedRollout(Session())
     try:
         with pytest.raises(ConfigError, match=r"config\.rollout\.colocated: .* was not started with "
                                               r"--enable-memory-saver \(/server_info has enable_memory_saver=False\)"):
-            step_loop.check_memory_saver()
+            colocated.check_memory_saver()
     finally:
         loop.run_until_complete(client.close())
         loop.run_until_complete(runner.cleanup())

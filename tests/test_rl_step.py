@@ -227,8 +227,9 @@ def test_the_dump_stores_the_advantages_the_step_trained_with(ckpt, tmp_path):
     """`rl_step_outputs` hands over its advantages: GRPO by hand (NumPy) over the shaped rewards
     (group 0's three members, group 1's one valid member: r / (1 + eps); the invalid one 0), and
     exactly what the dumps held when the dump writer recomputed them from the episodes (the same
-    `group_advantages` of `shaped_rewards`); the dump writer stores them unchanged."""
-    from cleaner_jax.viz.dumps import read_step, token_pieces, write_step
+    `group_advantages` of `shaped_rewards`); the trainer's dump writer stores them unchanged."""
+    from cleaner_jax.train_steps.dump import StepDump
+    from cleaner_jax.viz.dumps import read_step
 
     s = hand_episodes()
     cfg = StepConfig(max_response_tokens=12, overlong_buffer=4, overlong_factor=1.0, mini_batches=1)
@@ -238,9 +239,7 @@ def test_the_dump_stores_the_advantages_the_step_trained_with(ckpt, tmp_path):
     np.testing.assert_allclose(out.advantages, want, rtol=1e-6)
     recomputed = group_advantages(s, shaped_rewards(s, 12, 4, 1.0), "grpo", EPS).advantages
     assert out.advantages.dtype == np.float32 and out.advantages.tolist() == recomputed.tolist()
-    tok = _Tokens()
-    write_step(tmp_path, 3, s, advantages=out.advantages.tolist(), gamma=0.5, pieces=token_pieces(tok),
-               decode=tok.decode, old_logprobs=out.old_logprobs)
+    StepDump(tmp_path, _Tokens(), gamma=0.5).write(3, s, out.advantages, out.old_logprobs)
     dumped = read_step(tmp_path, 3)
     assert [d.advantage for d in dumped] == recomputed.tolist()
     assert [d.line["gamma"] for d in dumped] == [0.5] * len(s)

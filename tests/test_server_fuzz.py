@@ -181,3 +181,24 @@ def test_hostile_requests_get_a_json_4xx_and_the_server_keeps_serving(server):
 def test_oversized_body_is_413_with_a_json_message(server):
     status, out = _post(server.url, "/generate", raw=b" " * (BODY_LIMIT + 1))
     assert status == 413 and _is_json_error(out), out
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": PROMPT, "sampling_params": {"n": 10**9}},  # one prompt, a hostile n
+    {"input_ids": [PROMPT] * 2, "sampling_params": [{"n": 3000}, {"n": 3000}]},  # the sum over a batch
+    {"input_ids": [PROMPT] * 5000},  # more prompts than one request may hold
+])
+def test_too_many_completions_are_refused_before_any_is_built(monkeypatch, body):
+    """The item limit is checked before the requests are built: a hostile `n` must cost the
+    server nothing (it once built all `n` requests first and answered nothing for 10**9)."""
+    from cleaner_jax.rollout import wire
+    from cleaner_jax.rollout.request import SamplingParams
+
+    built = []
+    real = wire.GenRequest
+    monkeypatch.setattr(wire, "GenRequest", lambda *a, **k: built.append(1) or real(*a, **k))
+    with pytest.raises(ValueError, match=f"more than {wire.MAX_ITEMS_PER_REQUEST}|more than the"):
+        wire.parse_generate(body, SamplingParams())
+    assert len(built) <= wire.MAX_ITEMS_PER_REQUEST, len(built)
+    if len(body["input_ids"]) != 2:
+        assert built == []

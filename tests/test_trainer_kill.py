@@ -54,6 +54,7 @@ def _drive(argv: list[str]) -> None:
     import cleaner_jax.toy.checkpoint as tiny
     import cleaner_jax.train as T
     import cleaner_jax.train_steps as S
+    import cleaner_jax.train_steps.loop as L
     from orbax.checkpoint._src.path import async_path
 
     def tearing(save_file):  # safetensors' save_file, as params / toy.checkpoint call it
@@ -83,7 +84,7 @@ def _drive(argv: list[str]) -> None:
         return out
 
     S.StepLoop.collect = collect_wrapped
-    rl_step = S.rl_step_outputs
+    rl_step = L.rl_step_outputs
 
     def rl_step_wrapped(learner, scored, cfg):
         step = current["step"]
@@ -94,7 +95,7 @@ def _drive(argv: list[str]) -> None:
         note(f"exit update {step}")
         return out
 
-    S.rl_step_outputs = rl_step_wrapped
+    L.rl_step_outputs = rl_step_wrapped
     warm = T.warm_start
 
     def warm_wrapped(*args, **kwargs):

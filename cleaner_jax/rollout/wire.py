@@ -103,6 +103,9 @@ def parse_generate(body: dict[str, Any], defaults: SamplingParams) -> tuple[list
     n = len(prompts)
     if n == 0:
         raise ValueError("input_ids cannot be empty.")
+    if n > MAX_ITEMS_PER_REQUEST:
+        raise ValueError(f"this request has {n} prompts, more than the {MAX_ITEMS_PER_REQUEST} completions one request "
+                         "may ask for; split it into several requests")
     sps = _per_item(body.get("sampling_params") or {}, n, "sampling_params", is_batch)
     rids = _per_item(body.get("rid"), n, "rid", is_batch)
     want_lp = _per_item(body.get("return_logprob", False), n, "return_logprob", is_batch)
@@ -122,13 +125,13 @@ def parse_generate(body: dict[str, Any], defaults: SamplingParams) -> tuple[list
         params = parse_sampling(sps[i], defaults)
         rid = str(rids[i]) if rids[i] is not None else uuid.uuid4().hex
         start = int(starts[i]) if starts[i] is not None else -1
+        if len(items) + params.n > MAX_ITEMS_PER_REQUEST:  # before building them: a hostile n costs nothing
+            raise ValueError(f"this request asks for more than {MAX_ITEMS_PER_REQUEST} completions "
+                             "(prompts x sampling_params.n); split it into several requests")
         for j in range(params.n):
             item_rid = rid if params.n == 1 else f"{rid}-{j}"
             req = GenRequest(tuple(prompt), dataclasses.replace(params, n=1), item_rid, start if want_lp[i] else -1)
             items.append(_Item(req, bool(want_lp[i])))
-        if len(items) > MAX_ITEMS_PER_REQUEST:
-            raise ValueError(f"this request asks for more than {MAX_ITEMS_PER_REQUEST} completions "
-                             "(prompts x sampling_params.n); split it into several requests")
     return items, is_batch or len(items) > 1
 
 

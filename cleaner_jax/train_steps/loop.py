@@ -1,0 +1,146 @@
+"""`StepLoop`: the order of a training step's parts, with the run's resources bound
+(`train.Trainer` opens them).
+
+One step: collect (`collection`), release the colocated rollout servers' memory (`colocate`),
+update (`rl.step.rl_step_outputs`), resume the servers, weight sync (`sync`), metrics, trajectory
+dump (`dump`), evaluation (`evaluation`), the stop after too many skipped updates (`skips`),
+checkpoint. The order is the crash contract: a committed checkpoint N means step N is complete
+(metrics, dump, evaluation on disk), so a run killed at any point resumes after a step whose
+outputs are all there (docs/reliability.md row 3); a failed weight sync first writes the step's
+outputs and checkpoint, then stops (row 5).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cleaner_jax import distributed
+from cleaner_jax.agent.collect import rollout_metrics
+from cleaner_jax.config import RunConfig
+from cleaner_jax.data.problems import Problem
+from cleaner_jax.data.sampler import ProblemSampler
+from cleaner_jax.rl.learner import Learner
+from cleaner_jax.rl.metrics_writer import MetricsWriter
+from cleaner_jax.rl.step import rl_step_outputs
+from cleaner_jax.rollout.weight_sync import SyncReport
+from cleaner_jax.session import Session
+from cleaner_jax.train_steps.collection import Collected, StepCollection
+from cleaner_jax.train_steps.colocate import ColocatedRollout
+from cleaner_jax.train_steps.dump import StepDump
+from cleaner_jax.train_steps.evaluation import Evaluation, on_main
+from cleaner_jax.train_steps.skips import log_skipped, stop_if_stuck
+from cleaner_jax.train_steps.sync import WeightSync, WeightSyncFailedError, sync_metrics
+from cleaner_jax.wiring import step_config
+
+SUMMARY_KEYS = ("reward/mean", "reward/acc", "tool/raw_error_rate", "rollback/global_recovery_rate")
+
+
+class StepLoop:
+    """The per-step work of a run: its parts, called in the order of the module docstring."""
+
+    def __init__(self, r: RunConfig, workdir: Path, session: Session, learner: Learner, writer: MetricsWriter,
+                 model_dir: Path) -> None:
+        self.r, self.learner, self.writer = r, learner, writer
+        pad_id = session.tokenizer.pad_token_id if session.tokenizer.pad_token_id is not None else 0
+        self.step_cfg = step_config(r, pad_id)
+        self.collection = StepCollection(r, session, learner)
+        self.colocated = ColocatedRollout(session)
+        self.weights = WeightSync(r, workdir, session, learner, model_dir)
+        self.dumps = StepDump(workdir, session.tokenizer, r.saar.gamma)
+        self.evaluation = Evaluation(r, workdir, session, writer)
+
+    # what train.py calls besides `run`: the parts' own methods, so that the entry point knows only StepLoop
+    def check_memory_saver(self) -> None:
+        self.colocated.check_memory_saver()
+
+    def sync(self, step: int) -> SyncReport | None:
+        return self.weights.sync(step)
+
+    @staticmethod
+    def on_main(barrier: str, work: Callable[[], dict[str, float]]) -> dict[str, float]:
+        return on_main(barrier, work)
+
+    def evaluate_before_training(self, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
+        return self.evaluation.before_training(benchmarks)
+
+    def run(self, start: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
+        """Steps `start`.. `train.steps`; returns the last step's metrics."""
+        steps = self.r.train.steps
+        bar = tqdm(range(start, steps), desc="train", unit="step", initial=start, total=steps,
+                   disable=not distributed.is_main())
+        history: list[dict[str, float]] = []
+        for step in bar:
+            metrics = self.step(step, sampler, benchmarks)
+            history.append(metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:+.2f}", acc=f"{metrics['reward/acc']:.2f}",
+                            tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
+        return summary(history)
+
+    def collect(self, step: int, sampler: ProblemSampler) -> Collected:
+        """Step `step + 1`'s rollouts (`collection.StepCollection.collect`)."""
+        return self.collection.collect(step, sampler)
+
+    def step(self, step: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
+        """Step `step + 1`, start to checkpoint; returns its metrics (the evaluation's included)."""
+        r, done = self.r, step + 1
+        t0 = time.perf_counter()
+        got = self.collect(step, sampler)
+        t_rollout = time.perf_counter() - t0
+        colocate = self.colocated.release() if r.rollout.colocated else {}  # the learner phase gets the memory
+        t_learn = time.perf_counter()
+        calls_before = self.learner.calls
+        out = rl_step_outputs(self.learner, got.mine, self.step_cfg)  # global metrics
+        t_update = time.perf_counter() - t_learn
+        skipped_ids = log_skipped(self.learner, done, got.mine, calls_before, self.step_cfg.mini_batches)
+        if r.rollout.colocated:  # resume, then the sync loads the new weights, then probes
+            colocate.update(self.colocated.resume())
+        sync_failure: WeightSyncFailedError | None = None
+        try:
+            report = self.weights.sync(done)
+        except WeightSyncFailedError as err:
+            report, sync_failure = None, err
+        metrics = dict(out.metrics)
+        metrics.update(rollout_metrics(got.scored))
+        metrics.update(got.infra)
+        metrics.update(colocate)
+        metrics.update({
+            "data/sampling_rounds": float(got.rounds), "data/position": float(sampler.position),
+            "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "learner/skipped_steps": float(self.learner.skipped_steps),
+            "learner/consecutive_skips": float(self.learner.consecutive_skips),
+        })
+        metrics.update(sync_metrics(report))
+        self.writer.write(done, metrics)
+        self.writer.flush()
+        if r.train.dump_trajectories:
+            self.dumps.write(done, got.scored, out.advantages, out.old_logprobs)
+        state = {"data_position": sampler.position}
+        if sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
+            self.learner.save(done, state)
+            self.learner.wait_until_saved()
+            raise sync_failure
+        if benchmarks and self.evaluation.due(done):
+            metrics.update(on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks)))
+        self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
+        stop_if_stuck(self.learner, r.train.max_consecutive_skips, done, state, skipped_ids)
+        # last: a committed checkpoint N means step N is complete (metrics, dump, evaluation), so
+        # a run killed at any point resumes after a step whose outputs are all on disk (row 3)
+        if done % r.train.checkpoint_every == 0 or done == r.train.steps:
+            self.learner.save(done, state)
+        return metrics
+
+
+def summary(history: list[dict[str, float]]) -> dict[str, float]:
+    """The run's first and last step of the headline metrics, printed by process 0; returns the
+    last step's metrics ({} without a step)."""
+    if not history:
+        return {}
+    first, last = history[0], history[-1]
+    lines = [f"  {k:32s} first step {first.get(k, float('nan')):+.3f}   last step {last.get(k, float('nan')):+.3f}"
+             for k in SUMMARY_KEYS]
+    if distributed.is_main():
+        print("\nrun summary (" + str(len(history)) + " steps):\n" + "\n".join(lines), flush=True)
+    return last
