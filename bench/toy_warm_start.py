@@ -51,6 +51,7 @@ def sequence_probability(logprobs: np.ndarray, positions: list[list[int]]) -> fl
 
 
 def measure(config, workdir: Path, held_problems) -> dict[str, float]:
+    """`config`: the validated RunConfig (what train.py passes down)."""
     from cleaner_jax.models import params
     from cleaner_jax.rl.batch import from_trajectories
     from cleaner_jax.rl.learner import Learner
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         args.steps, args.few, args.many, args.held = 4, 16, 32, 8
     sys.path.insert(0, str(ROOT))
+    from cleaner_jax.config import validate
     from cleaner_jax.study.config import load_run_config
     from cleaner_jax.toy import task as toy_task
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             c.train.seed, c.warmup_sft.steps, c.warmup_sft.examples = args.seed, args.steps, examples
             if args.tiny:
                 c.warmup_sft.batch_size = 4
-            rows[name] = measure(c, Path(tmp) / name, held)
+            rows[name] = measure(validate(c), Path(tmp) / name, held)
             r = rows[name]
             print(f"{name:>4}: {examples} demonstrations x {args.steps} steps (batch {c.warmup_sft.batch_size}) "
                   f"in {r['warm_start_s']:.0f} s: P(result) {r['p_result']:.3g}  P(operands) {r['p_operands']:.3g}",

@@ -19,17 +19,17 @@ same command again after a kill resumes: problems already written are not run ag
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import tempfile
 from pathlib import Path
 
-import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from cleaner_jax import distributed
-from cleaner_jax.config import ConfigError, check_override_keys, validate
+from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, validate
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import params
@@ -63,7 +63,7 @@ def parse_checkpoint(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
-def export_checkpoint(c: ml_collections.ConfigDict, workdir: Path, checkpoint: str, out_dir: Path) -> tuple[Path, int]:
+def export_checkpoint(c: RunConfig, workdir: Path, checkpoint: str, out_dir: Path) -> tuple[Path, int]:
     """The parameters of an Orbax training checkpoint as an HF directory; returns it and the step.
 
     The run's model directory supplies the architecture and tokenizer; a learner of the run's
@@ -90,17 +90,16 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    c = f.config
     if f.model_dir and f.checkpoint:
         raise app.UsageError("give --model_dir or --checkpoint, not both")
     workdir = Path(f.workdir).resolve()
     try:
-        validate(c)
+        c = validate(f.config)  # the one validation: everything below takes the typed RunConfig
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     print(f"evaluating (log: {log_to_file(workdir / 'evaluate.log')})", flush=True)
     try:  # the learner processes join before any device is touched
-        distributed.initialize(validate(c).distributed)
+        distributed.initialize(c.distributed)
         distributed.one_process_only("evaluate")
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
@@ -118,8 +117,7 @@ def main(argv: list[str]) -> None:
             model_dir = pick_model_dir(workdir, f.model_dir, c.model.path)
             label = str(model_dir)
         if c.model.tiny_init:  # a toy run's model is whatever was exported, not a new random one
-            c.model.tiny_init = False
-            c.model.path = str(model_dir)
+            c = dataclasses.replace(c, model=dataclasses.replace(c.model, tiny_init=False, path=str(model_dir)))
         session = stack.enter_context(Session(c, model_dir))
         try:
             collector = session.start_rollout(model_dir)

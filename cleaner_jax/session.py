@@ -1,6 +1,6 @@
 """The components `train` and `evaluate` share, built once from the run config.
 
-    with Session(config, model_dir) as s:          # sandbox, scorer, executor, tokenizer, chat
+    with Session(r, model_dir) as s:               # sandbox, scorer, executor, tokenizer, chat
         ...                                         # (train: warm start, learner, restore)
         s.start_rollout(serve_dir)                  # rollout backend + client + collector
         s.run(s.collector.collect(problems, n, sampling, seed=0))
@@ -10,6 +10,7 @@ Construction is in two phases because the trainer needs the chat format and the 
 is closed in reverse order on exit, on error too. Also here: the start-up helpers that only the
 entry points need (the model directory of a run, the XLA memory settings and compilation cache,
 the device mesh, the rollout backend, where exports go and what a resumed run removes first).
+All of them take the typed `RunConfig` the entry point validated once (`config.validate`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import jax
-import ml_collections
 from jax.sharding import Mesh
 from transformers import AutoTokenizer
 
@@ -34,7 +34,7 @@ from cleaner_jax import distributed
 from cleaner_jax.agent.collect import Collector
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
-from cleaner_jax.config import check_mesh, sandbox_warning, validate
+from cleaner_jax.config import RunConfig, check_mesh, sandbox_warning
 from cleaner_jax.models import compile_cache, sharding
 from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.rewards.scorer import Scorer
@@ -59,7 +59,7 @@ class Session:
     config. `start_rollout` adds the rollout backend, its client and the episode collector.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, model_dir: Path) -> None:
+    def __init__(self, config: RunConfig, model_dir: Path) -> None:
         self.config = config
         self.model_dir = model_dir
         self._stack = contextlib.ExitStack()
@@ -81,7 +81,7 @@ class Session:
             tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
             self.chat = ChatFormat(self.tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
             self.agent = agent_config(c)
-            crowded = sandbox_warning(validate(c))
+            crowded = sandbox_warning(c)
             if crowded is not None:
                 log.warning("%s", crowded)
             self._stack = stack.pop_all()
@@ -134,7 +134,7 @@ class Session:
         return self.loop.run_until_complete(awaitable)
 
 
-def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
+def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
     """The HF directory the run starts from: `model.path`, or a random tiny checkpoint
     (toy run) written once into the workdir and reused on resume. The tiny checkpoint is written
     in a hidden sibling and renamed into place (`atomic_dir.commit_dir`), so a run killed while
@@ -154,7 +154,7 @@ def prepare_model_dir(config: ml_collections.ConfigDict, workdir: Path) -> Path:
     return out
 
 
-def use_compilation_cache(config: ml_collections.ConfigDict) -> Path | None:
+def use_compilation_cache(config: RunConfig) -> Path | None:
     """Point JAX's persistent compilation cache at `train.compilation_cache_dir` (created if
     missing), so a later or resumed run loads the train step's programs instead of compiling
     them again. Call first thing, before anything compiles: JAX reads the setting when it
@@ -174,7 +174,7 @@ XLA_MEMORY_ENV = {"XLA_CLIENT_MEM_FRACTION": "train.xla_mem_fraction",
 DEPRECATED_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # jaxlib refuses it together with the new name
 
 
-def xla_memory_env(c: ml_collections.ConfigDict) -> dict[str, str | None]:
+def xla_memory_env(c: RunConfig) -> dict[str, str | None]:
     """The XLA memory variables the config asks for; None: unset (JAX's default)."""
     t = c.train
     return {"XLA_CLIENT_MEM_FRACTION": None if t.xla_mem_fraction is None else repr(float(t.xla_mem_fraction)),
@@ -182,7 +182,7 @@ def xla_memory_env(c: ml_collections.ConfigDict) -> dict[str, str | None]:
             "XLA_PYTHON_CLIENT_ALLOCATOR": None if t.xla_allocator == "default" else t.xla_allocator}
 
 
-def apply_xla_memory(c: ml_collections.ConfigDict) -> None:
+def apply_xla_memory(c: RunConfig) -> None:
     """Set the XLA memory variables from the config, before JAX starts its backend (they are
     read once, then). They are the config's, never a user switch: a value found in the
     environment is replaced (or removed), with a warning naming the key to use instead."""
@@ -234,7 +234,7 @@ def discard_after(workdir: Path, exports: Path, step: int) -> None:
                  ", ".join(removed))
 
 
-def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
+def make_mesh(config: RunConfig) -> Mesh:
     """An (fsdp, tp) mesh over the devices; fsdp=-1 takes all devices left by tp. With several
     learner processes (`cleaner_jax.distributed`) it is one global mesh over every process's
     devices, process by process, so each process's devices hold a contiguous block of the
@@ -248,12 +248,12 @@ def make_mesh(config: ml_collections.ConfigDict) -> Mesh:
         raise ValueError(f"config.mesh: with {jax.process_count()} learner processes the mesh must use all "
                          f"{len(devices)} devices with tp dividing each process's {jax.local_device_count()}, got "
                          f"fsdp={fsdp} x tp={tp}: use mesh.fsdp=-1 and a mesh.tp that divides the local device count")
-    check_mesh(validate(config), fsdp)  # the micro-batch and attention rules that need the fsdp size
+    check_mesh(config, fsdp)  # the micro-batch and attention rules that need the fsdp size
     return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
 
 
 @contextlib.contextmanager
-def rollout_backend(config: ml_collections.ConfigDict, model_dir: Path, vocab_size: int) -> Iterator[RolloutFleet]:
+def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iterator[RolloutFleet]:
     """The run's rollout servers behind one client, supervised by a `RolloutFleet`. With
     backend=embedded our own server is started first as a child process on a free loopback port
     (in the run's compute dtype, with its decode backend; restarted by the fleet if it dies) and

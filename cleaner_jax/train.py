@@ -29,13 +29,12 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
 from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError
-from cleaner_jax.config import ConfigError, check_override_keys, check_processes, validate
+from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, check_processes, validate
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.checkpointing import remove_unfinished_saves
@@ -55,7 +54,7 @@ log = logging.getLogger("cleaner_jax.train")
 
 
 
-def data_seed(c: ml_collections.ConfigDict) -> int:
+def data_seed(c: RunConfig) -> int:
     """The problem order's seed: data.seed when set, else train.seed."""
     return c.train.seed if c.data.seed is None else c.data.seed
 
@@ -68,9 +67,10 @@ def log_name(process: int) -> str:
 
 
 class Trainer:
-    """Owns the run's resources for its lifetime; `run()` executes the remaining steps."""
+    """Owns the run's resources for its lifetime; `run()` executes the remaining steps. It takes
+    the run config `main` validated, and passes that typed config down (validated once)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: Path) -> None:
+    def __init__(self, config: RunConfig, workdir: Path) -> None:
         self.c = config
         self.workdir = workdir
 
@@ -146,20 +146,20 @@ class Trainer:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = flags.FLAGS.config
+    config = flags.FLAGS.config  # the ml-collections config: read here only, to validate it and to save it
     try:
-        validate(config)
+        r = validate(config)  # the one validation: everything below takes the typed RunConfig
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     workdir = Path(flags.FLAGS.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    dist = validate(config).distributed
+    dist = r.distributed
     process = dist.process_id if dist.mode == "explicit" else 0  # auto mode: known once joined
     if process == 0:
         print(f"training in {workdir} (log: {log_to_file(workdir / log_name(process))})", flush=True)
     else:
         log_to_file(workdir / log_name(process))
-    apply_xla_memory(config)  # before JAX starts its backend
+    apply_xla_memory(r)  # before JAX starts its backend
     try:  # the learner processes join before any device is touched
         distributed.initialize(dist)
     except ConfigError as err:
@@ -167,14 +167,14 @@ def main(argv: list[str]) -> None:
     if jax.process_index() != process:
         log_to_file(workdir / log_name(jax.process_index()))
     try:
-        check_processes(validate(config), jax.process_count())  # auto mode: the count is known now
+        check_processes(r, jax.process_count())  # auto mode: the count is known now
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
-    use_compilation_cache(config)  # before anything compiles
+    use_compilation_cache(r)  # before anything compiles
     if distributed.is_main():
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     try:
-        Trainer(config, workdir).run()
+        Trainer(r, workdir).run()
     except (NonFiniteTrainingError, WeightSyncFailedError, ContextBudgetError, RolloutUnavailableError,
             LostEpisodesError, ConfigError) as err:  # say why the run stopped
         raise SystemExit(f"error: {err}") from err

@@ -1,10 +1,11 @@
 """Wiring: the validated run config (cleaner_jax.config) as each component's own config, and
 the data sources it names. Shared by `train` and `evaluate`.
 
-Every function takes the ml-collections config the entry points hold and reads it through
-`config.validate`, so a value reaches a component only after its checks. The components'
-configs are the sections themselves (`agent`, `saar`) or are gathered from the keys that borrow
-their fields (`schema.gather`), so no key is mapped by hand here.
+Every function takes the typed `RunConfig` that the entry points (`train`, `evaluate`) made once
+with `config.validate`, so a value reaches a component only after its checks, and is checked
+once: nothing here sees the ml-collections config. The components' configs are the sections
+themselves (`agent`, `saar`) or are gathered from the keys that borrow their fields
+(`schema.gather`), so no key is mapped by hand here.
 """
 from __future__ import annotations
 
@@ -12,11 +13,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import ml_collections
-
 from cleaner_jax import schema
 from cleaner_jax.agent.config import AgentConfig
-from cleaner_jax.config import TOY, DataConfig, validate
+from cleaner_jax.config import TOY, DataConfig, RunConfig
 from cleaner_jax.config import eval_settings as config_eval_settings
 from cleaner_jax.data.benchmarks import load_user_benchmark, parse_eval_spec
 from cleaner_jax.data.problems import DataError, Problem, load_benchmark, load_training_set
@@ -34,12 +33,11 @@ LOGGED_SKIPS = 20  # skipped rows named one by one in the log; all are counted
 TOY_EVAL_SEED = 987_654  # the toy benchmark: fixed problems, from the held-out side of the toy's partition
 
 
-def agent_config(c: ml_collections.ConfigDict) -> AgentConfig:
-    return validate(c).agent
+def agent_config(r: RunConfig) -> AgentConfig:
+    return r.agent
 
 
-def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
-    r = validate(c)
+def learner_config(r: RunConfig) -> LearnerConfig:
     return schema.gather(LearnerConfig, r.algo, r.rollout,
                          loss=schema.gather(LossConfig, r.algo, splice_correction=r.saar.splice_correction,
                                             splice_cap=r.saar.splice_cap),
@@ -49,29 +47,27 @@ def learner_config(c: ml_collections.ConfigDict) -> LearnerConfig:
                          bucket_widths=",".join(map(str, bucket_widths(r.algo.bucket_widths, r.agent.max_model_len))))
 
 
-def step_config(c: ml_collections.ConfigDict, pad_id: int) -> StepConfig:
+def step_config(r: RunConfig, pad_id: int) -> StepConfig:
     """The RL step's settings (`cleaner_jax.rl.step.rl_step`): the `algo` keys borrowed from
     StepConfig, plus the response budget, the overlong shaping and the advantage estimator."""
-    r = validate(c)
     return schema.gather(StepConfig, r.algo, max_response_tokens=r.agent.max_response_tokens,
                          overlong_buffer=r.reward.overlong_buffer, overlong_factor=r.reward.overlong_factor,
                          estimator=r.algo.advantage, adv_eps=r.algo.adv_eps,
                          mini_batches=r.algo.mini_batches_per_step, pad_id=pad_id)
 
 
-def train_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
-    ro = validate(c).rollout
+def train_sampling(r: RunConfig) -> dict[str, Any]:
+    ro = r.rollout
     return {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
 
 
-def eval_sampling(c: ml_collections.ConfigDict) -> dict[str, Any]:
+def eval_sampling(r: RunConfig) -> dict[str, Any]:
     """The evaluation's sampling before per-benchmark overrides (`eval.*`, not training's)."""
-    return schema.gather(EvalSettings, validate(c).eval).sampling()
+    return schema.gather(EvalSettings, r.eval).sampling()
 
 
-def eval_plan(c: ml_collections.ConfigDict) -> EvalPlan:
+def eval_plan(r: RunConfig) -> EvalPlan:
     """The run-wide evaluation settings; the seed is `eval.seed`, else `train.seed`."""
-    r = validate(c)
     e = r.eval
     return EvalPlan(seed=r.train.seed if e.seed is None else e.seed, bootstrap_resamples=e.bootstrap_resamples,
                     bootstrap_seed=e.bootstrap_seed, ci_level=e.ci_level,
@@ -79,9 +75,9 @@ def eval_plan(c: ml_collections.ConfigDict) -> EvalPlan:
                     saar_rollback_probability=e.saar_rollback_probability, think_split=r.reward.think_split)
 
 
-def eval_specs(c: ml_collections.ConfigDict, benchmarks: dict[str, list[Problem]]) -> list[BenchmarkSpec]:
+def eval_specs(r: RunConfig, benchmarks: dict[str, list[Problem]]) -> list[BenchmarkSpec]:
     """Each benchmark with its settings (`eval.*` and its `eval.overrides` entry)."""
-    settings = config_eval_settings(validate(c))
+    settings = config_eval_settings(r)
     return [BenchmarkSpec(name, problems, settings[name]) for name, problems in benchmarks.items()]
 
 
@@ -91,7 +87,7 @@ def _toy(d: DataConfig, n: int, seed: int, split: toy_task.Split = "train", dist
 
 
 def training_problems(
-    c: ml_collections.ConfigDict, prompt_len: Callable[[Sequence[Mapping[str, str]]], int] | None = None
+    r: RunConfig, prompt_len: Callable[[Sequence[Mapping[str, str]]], int] | None = None
 ) -> list[Problem] | Callable[[int], Problem]:
     """The training set, or for the toy task an endless generator `seed -> Problem`.
 
@@ -99,7 +95,6 @@ def training_problems(
     run's `len(chat.prompt_ids(messages))`), to hold every prompt to agent.max_prompt_tokens
     (data.overlong_prompts); rows left out (that, and data.skip_bad_rows) are logged here, at
     start-up, each with its file and row, and counted."""
-    r = validate(c)
     d = r.data
     if d.train == TOY:
         return lambda seed: _toy(d, 1, seed)[0]
@@ -125,10 +120,9 @@ def training_problems(
     return problems
 
 
-def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:
+def eval_benchmarks(r: RunConfig) -> dict[str, list[Problem]]:
     """Benchmark name -> problems, for the entries of data.eval (`NAME` or `NAME=PATH`, checked
     by `validate`); a user file's rows are read and checked here, at start-up."""
-    r = validate(c)
     d, out = r.data, {}
     for name, path in parse_eval_spec(d.eval):
         if name == TOY:  # validate requires data.eval_limit for it
@@ -141,7 +135,7 @@ def eval_benchmarks(c: ml_collections.ConfigDict) -> dict[str, list[Problem]]:
     return out
 
 
-def scorer_options(c: ml_collections.ConfigDict) -> dict[str, Any]:
+def scorer_options(r: RunConfig) -> dict[str, Any]:
     """The `reward` keys as `rewards.scorer.Scorer` keyword arguments."""
-    rw = validate(c).reward
+    rw = r.reward
     return {"math_mode": rw.math_mode, "think_split": rw.think_split, "choice_mode": rw.choice_mode}

@@ -223,26 +223,25 @@ def colocated_config():
 
 def test_colocated_config_validates_and_sets_the_xla_environment():
     c = colocated_config()
-    validate(c)
-    env = xla_memory_env(c)
+    env = xla_memory_env(validate(c))
     assert env == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                    "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     d = load_config("toy")
     d.train.xla_mem_fraction = 0.45
-    assert xla_memory_env(d) == {"XLA_CLIENT_MEM_FRACTION": "0.45", "XLA_PYTHON_CLIENT_PREALLOCATE": None,
+    assert xla_memory_env(validate(d)) == {"XLA_CLIENT_MEM_FRACTION": "0.45", "XLA_PYTHON_CLIENT_PREALLOCATE": None,
                                  "XLA_PYTHON_CLIENT_ALLOCATOR": None}
     assert set(XLA_MEMORY_ENV) == set(env)
     jax.devices()  # this test process's backend is up: too late to set them
     with pytest.raises(RuntimeError, match=r"already initialised.*train\.xla_mem_fraction"):
-        apply_xla_memory(c)
+        apply_xla_memory(validate(c))
 
 
 def test_main_sets_the_xla_environment_before_jax_starts():
     """In a fresh interpreter, as train's main does: the values jaxlib will read come from the
     config, and a user's own variable is replaced, not obeyed."""
     code = ("import os, sys; sys.path.insert(0, 'tests'); from _configs import load_config;"
-            "from cleaner_jax.session import apply_xla_memory; c = load_config('toy');"
-            "c.train.xla_mem_fraction = 0.3; apply_xla_memory(c);"
+            "from cleaner_jax.config import validate; from cleaner_jax.session import apply_xla_memory;"
+            "c = load_config('toy'); c.train.xla_mem_fraction = 0.3; apply_xla_memory(validate(c));"
             "import jax; jax.devices();"
             "print({k: os.environ.get(k) for k in ('XLA_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION',"
             " 'XLA_PYTHON_CLIENT_PREALLOCATE', 'XLA_PYTHON_CLIENT_ALLOCATOR')})")

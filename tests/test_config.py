@@ -354,7 +354,7 @@ def test_wiring_maps_each_key_onto_its_component_field():
              optim__lr=3e-4, optim__warmup_steps=7, optim__weight_decay=0.05, optim__b1=0.8, optim__b2=0.95,
              optim__grad_clip=0.5, rollout__temperature=0.9, rollout__top_p=0.8, rollout__top_k=20,
              eval__temperature=0.7, eval__top_p=0.5, eval__top_k=5, saar__enable=False, saar__gamma=0.3, agent__tool_call_parser="strict")
-    lc = wiring.learner_config(c)
+    lc = wiring.learner_config(validate(c))
     loss, opt = lc.loss, lc.optimizer
     assert (loss.kind, loss.clip_low, loss.clip_high, loss.dual_clip_c, loss.agg) == ("ppo", 0.11, 0.22, 3.5,
                                                                                        "seq-mean-token-sum")
@@ -363,17 +363,17 @@ def test_wiring_maps_each_key_onto_its_component_field():
         3e-4, 7, 0.05, 0.8, 0.95, 0.5)
     assert (opt.updates_per_lr_step, opt.eps) == (2, 1e-8)
     assert (lc.micro_batch_size, lc.logprob_micro_batch_size, lc.temperature, lc.logprob_chunk_size) == (2, 2, 0.9, 64)
-    assert wiring.train_sampling(c) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
-    assert wiring.eval_sampling(c) == {"temperature": 0.7, "top_p": 0.5, "top_k": 5}  # apart from training's
-    ac = wiring.agent_config(c)
+    assert wiring.train_sampling(validate(c)) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
+    assert wiring.eval_sampling(validate(c)) == {"temperature": 0.7, "top_p": 0.5, "top_k": 5}  # apart from training's
+    ac = wiring.agent_config(validate(c))
     assert (ac.tool_call_parser, ac.max_assistant_turns, ac.saar.gamma, ac.saar.enable) == ("strict", 4, 0.3, False)
 
 
 def test_wiring_data_sources_follow_the_config():
     c = toy()
     c.data.eval_limit = 3
-    assert [len(v) for v in wiring.eval_benchmarks(c).values()] == [3]
-    one = wiring.training_problems(c)
+    assert [len(v) for v in wiring.eval_benchmarks(validate(c)).values()] == [3]
+    one = wiring.training_problems(validate(c))
     assert one(5) == one(5) and one(5) != one(6)  # deterministic per seed
 
 
@@ -490,9 +490,9 @@ def test_all_devices_fsdp_is_checked_where_the_device_count_is_known(tmp_path):
     validate(c)  # -1: unknown until the devices are
     with pytest.raises(ConfigError, match=r"config\.algo\.micro_batch_size: 2 rows .* mesh\.fsdp=-1 \(= 4 on this "
                                           r"machine\): use a multiple of 4"):
-        make_mesh(c)
+        make_mesh(validate(c))
     c.algo.micro_batch_size = 4
-    assert dict(make_mesh(c).shape) == {"fsdp": 4, "tp": 1}
+    assert dict(make_mesh(validate(c)).shape) == {"fsdp": 4, "tp": 1}
 
 
 def test_materialised_attention_scores_are_bounded(tmp_path):

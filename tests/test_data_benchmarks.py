@@ -54,7 +54,7 @@ def test_user_files_load_for_train_and_evaluate(user_files):
     c = toy()
     c.data.eval = f"toy,aime24,gpqa_diamond={gpqa},livecodebench={lcb}"
     validate(c)
-    got = wiring.eval_benchmarks(c)  # what train.py and evaluate.py both call at start-up
+    got = wiring.eval_benchmarks(validate(c))  # what train.py and evaluate.py both call at start-up
     assert list(got) == ["toy", "aime24", "gpqa_diamond", "livecodebench"]
     assert [len(v) for v in got.values()] == [128, 30, 1, 1]  # eval_limit 128 of configs/toy.py; AIME 2024 has 30
     assert (got["gpqa_diamond"][0].kind, got["gpqa_diamond"][0].ground_truth) == ("choice", "B")
@@ -108,10 +108,10 @@ def test_lcb_window_reaches_the_reader(user_files, tmp_path):
     c = toy()
     c.data.eval = f"livecodebench={path}"
     c.data.lcb_start_date, c.data.lcb_end_date = "2025-02-01", "2025-05-31"
-    assert [p.uid for p in wiring.eval_benchmarks(c)["livecodebench"]] == ["new"]
+    assert [p.uid for p in wiring.eval_benchmarks(validate(c))["livecodebench"]] == ["new"]
     c.data.lcb_start_date = "2025-04-01"
     with pytest.raises(ValueError, match=r"livecodebench=.*dated\.jsonl: no problems"):
-        wiring.eval_benchmarks(c)
+        wiring.eval_benchmarks(validate(c))
 
 
 def test_a_malformed_user_file_fails_at_start_up_naming_file_row_field(tmp_path):
@@ -121,14 +121,14 @@ def test_a_malformed_user_file_fails_at_start_up_naming_file_row_field(tmp_path)
     c.data.eval = f"gpqa_diamond={path}"
     validate(c)  # the start-up check looks at names and files; the rows are read by the wiring
     with pytest.raises(DataError, match=r"gpqa\.jsonl: row 1, field 'solution': 'E or F' is not one uppercase"):
-        wiring.eval_benchmarks(c)
+        wiring.eval_benchmarks(validate(c))
 
 
 def test_reward_keys_reach_the_scorer():
     c = toy()
-    assert wiring.scorer_options(c) == {"math_mode": "strict", "think_split": "faithful", "choice_mode": "faithful"}
+    assert wiring.scorer_options(validate(c)) == {"math_mode": "strict", "think_split": "faithful", "choice_mode": "faithful"}
     c.reward.think_split, c.reward.choice_mode = "last", "lenient"
-    assert wiring.scorer_options(c) == {"math_mode": "strict", "think_split": "last", "choice_mode": "lenient"}
+    assert wiring.scorer_options(validate(c)) == {"math_mode": "strict", "think_split": "last", "choice_mode": "lenient"}
     c.reward.think_split = "first"
     with pytest.raises(ConfigError, match=r"config\.reward\.think_split: 'first' is not allowed"):
         validate(c)

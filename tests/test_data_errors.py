@@ -161,16 +161,16 @@ def test_training_problems_reports_the_skips_at_start_up(tmp_path, caplog):
     c.data.overlong_prompts = "filter"
     c.agent.max_prompt_tokens = 1 + len(prompts.UNITS.split())  # one-word prompts fit
     with pytest.raises(ValueError, match="pass prompt_len"):
-        wiring.training_problems(c)  # a file dataset is never loaded unchecked
+        wiring.training_problems(validate(c))  # a file dataset is never loaded unchecked
     with caplog.at_level(logging.INFO, logger="cleaner_jax.wiring"):
-        problems = wiring.training_problems(c, prompt_len=_words)
+        problems = wiring.training_problems(validate(c), prompt_len=_words)
     assert [p.uid for p in problems] == ["0", "u3", "6"]
     text = caplog.text
     assert "skipped 4 unreadable or malformed rows (data.skip_bad_rows) and 0 prompts over" in text
     assert text.count("skipped (data.skip_bad_rows): ") == 4
     c.agent.max_prompt_tokens = len(prompts.UNITS.split())  # now every prompt is over the budget
     with pytest.raises(DataError, match=r"no training problems left after skipping 4 bad rows and 3 overlong"):
-        wiring.training_problems(c, prompt_len=_words)
+        wiring.training_problems(validate(c), prompt_len=_words)
 
 
 def test_the_data_options_are_checked(tmp_path):

@@ -330,14 +330,14 @@ def test_wiring_gives_each_benchmark_its_settings():
     c.rollout.temperature, c.rollout.top_p = 1.0, 1.0  # training's sampling stays apart
     c.eval.overrides = "aime24:n=32,temperature=0.6,saar=both"
     c.train.seed = 5
-    specs = {s.name: s.settings for s in wiring.eval_specs(c, {"toy": [], "aime24": []})}
+    specs = {s.name: s.settings for s in wiring.eval_specs(validate(c), {"toy": [], "aime24": []})}
     assert specs["toy"] == EvalSettings(n=8, temperature=0.7, top_p=0.5, top_k=20, saar="off")
     assert specs["aime24"] == EvalSettings(n=32, temperature=0.6, top_p=0.5, top_k=20, saar="both")
     assert specs["aime24"].saar_variants() == (False, True)
-    assert wiring.eval_sampling(c) == {"temperature": 0.7, "top_p": 0.5, "top_k": 20}
-    assert wiring.eval_plan(c).seed == 5  # eval.seed None: train.seed
+    assert wiring.eval_sampling(validate(c)) == {"temperature": 0.7, "top_p": 0.5, "top_k": 20}
+    assert wiring.eval_plan(validate(c)).seed == 5  # eval.seed None: train.seed
     c.eval.seed = 9
-    assert wiring.eval_plan(c).seed == 9
+    assert wiring.eval_plan(validate(c)).seed == 9
 
 
 def test_paper_configs_evaluate_as_the_authors():

@@ -60,13 +60,14 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
 def model(tmp_path_factory):
     """A tiny HF checkpoint and an Orbax training checkpoint (step 1) holding the same weights."""
     from cleaner_jax import wiring
+    from cleaner_jax.config import validate
     from cleaner_jax.models import params
     from cleaner_jax.rl.learner import Learner
     from cleaner_jax.session import make_mesh, prepare_model_dir
     from test_config import load_config
 
     wd = tmp_path_factory.mktemp("eval_run")
-    c = load_config("toy")
+    c = validate(load_config("toy"))
     hf = prepare_model_dir(c, wd)  # <wd>/init_model, as a toy training writes it
     mesh = make_mesh(c)
     learner = Learner(params.from_pretrained(hf, mesh=mesh), wiring.learner_config(c), mesh,

@@ -270,12 +270,13 @@ def test_new_train_keys_reject_bad_values(key, bad, pattern):
 
 
 def test_run_config_reaches_the_learners_scaler():
+    from cleaner_jax.config import validate
     from cleaner_jax.wiring import learner_config
 
     c = toy_config()
     c.train.loss_scale_init = 1024.0
     c.train.loss_scale_growth_interval = 7
-    ls = learner_config(c).loss_scale
+    ls = learner_config(validate(c)).loss_scale
     assert (ls.init_scale, ls.growth_interval, ls.growth_factor, ls.backoff_factor) == (1024.0, 7, 2.0, 0.5)
 
 

@@ -104,7 +104,8 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
         c.distributed.initialization_timeout_s = 120
     c.algo.micro_batch_size = 4
     c.mesh.fsdp = -1  # every device of every process
-    distributed.initialize(validate(c).distributed)  # before anything touches a device, as train.main does
+    run = validate(c)  # once, as train.main does
+    distributed.initialize(run.distributed)  # before anything touches a device, as train.main does
     say("joined")
     record: dict = {"steps": [], "old_logprobs": []}
     # the small exchanges: process 0's URL to everyone, ragged pieces in process order, the refusal
@@ -125,7 +126,7 @@ def train_and_record(model_dir: Path, out: Path, widths: str, process_id: int = 
     from cleaner_jax.session import make_mesh
 
     assert jax.process_count() == num_processes and jax.device_count() == 4
-    mesh = make_mesh(c)  # one (fsdp=4, tp=1) mesh over every process's devices
+    mesh = make_mesh(run)  # one (fsdp=4, tp=1) mesh over every process's devices
     cfg = LearnerConfig(micro_batch_size=4, logprob_micro_batch_size=4, bucket_widths=widths,
                         optimizer=OptimizerConfig(learning_rate=1e-3, warmup_steps=0, eps=ADAM_EPS))
     step_cfg = StepConfig(max_response_tokens=32, width_bucket=8)

@@ -245,11 +245,12 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
 def test_config_bucket_widths_reach_the_learner_and_are_checked():
     c = load_config("toy")  # budget 512 + 256
     assert c.algo.bucket_widths == "pow2"
-    assert wiring.learner_config(c).bucket_widths == "128,256,512,768"
+    assert wiring.learner_config(run_config.validate(c)).bucket_widths == "128,256,512,768"
     c.algo.bucket_widths = "off"
-    assert wiring.learner_config(c).bucket_widths == "" and wiring.learner_config(c).widths == ()
+    off = wiring.learner_config(run_config.validate(c))
+    assert off.bucket_widths == "" and off.widths == ()
     c.algo.bucket_widths = "256, 1024"
-    assert wiring.learner_config(c).widths == (256, 1024)
+    assert wiring.learner_config(run_config.validate(c)).widths == (256, 1024)
     for bad, match in (("256,512", r"^config\.algo\.bucket_widths: the largest width 512 does not cover the "
                                    r"sequence budget of 768 tokens"),
                        ("1024,256", r"^config\.algo\.bucket_widths: '1024,256' must be strictly ascending"),
@@ -263,7 +264,7 @@ def test_config_bucket_widths_reach_the_learner_and_are_checked():
 
 def test_compilation_cache_dir_is_set_and_checked(tmp_path):
     c = load_config("toy")
-    assert c.train.compilation_cache_dir is None and use_compilation_cache(c) is None
+    assert c.train.compilation_cache_dir is None and use_compilation_cache(run_config.validate(c)) is None
     f = tmp_path / "a_file"
     f.write_text("")
     c.train.compilation_cache_dir = str(f)
@@ -273,12 +274,13 @@ def test_compilation_cache_dir_is_set_and_checked(tmp_path):
     cache = tmp_path / "xla"
     code = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
-        from cleaner_jax.config import base_config
+        from cleaner_jax.config import base_config, validate
         from cleaner_jax.session import use_compilation_cache
         c = base_config()
         with c.unlocked():
+            c.model.tiny_init, c.data.eval_limit = True, 2  # a valid run config
             c.train.compilation_cache_dir = {str(cache)!r}
-        assert str(use_compilation_cache(c)) == {str(cache)!r}
+        assert str(use_compilation_cache(validate(c))) == {str(cache)!r}
         assert jax.config.jax_compilation_cache_dir == {str(cache)!r}
         # a program that compiles in milliseconds is kept too (JAX's default keeps only those over 1 s)
         jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).block_until_ready()

@@ -246,10 +246,10 @@ def test_paper_dapo_baseline_weights_the_loss_through_the_real_step(ckpt):
     c = tiny_paper_config("qwen3_4b_dapo")
     run = validate(c)
     assert not run.saar.enable and (run.algo.tis, run.algo.tis_mode, run.algo.tis_cap) == ("sequence", "truncate", 2.0)
-    step_cfg = wiring.step_config(c, pad_id=0)
+    step_cfg = wiring.step_config(run, pad_id=0)
     assert step_cfg.old_logprobs == "recompute"
-    learner = Learner(params.from_pretrained(ckpt), wiring.learner_config(c))
-    probe = Learner(params.from_pretrained(ckpt), wiring.learner_config(c))  # same init: pi_old of the step
+    learner = Learner(params.from_pretrained(ckpt), wiring.learner_config(run))
+    probe = Learner(params.from_pretrained(ckpt), wiring.learner_config(run))  # same init: pi_old of the step
     scored = episodes_with_rollout_logprobs(probe, OFFSETS)
     metrics = rl_step(learner, scored, step_cfg)
 
@@ -267,7 +267,7 @@ def test_paper_dapo_baseline_weights_the_loss_through_the_real_step(ckpt):
     # the same episodes in bypass mode: pi_old = pi_rollout, the weight is 1 (why it is rejected
     # together with rollout IS, below)
     bypass = dataclasses.replace(step_cfg, old_logprobs="rollout")
-    m = rl_step(Learner(params.from_pretrained(ckpt), wiring.learner_config(c)), scored, bypass)
+    m = rl_step(Learner(params.from_pretrained(ckpt), wiring.learner_config(run)), scored, bypass)
     assert m["learner/tis_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -281,7 +281,7 @@ def test_paper_cleaner_configs_recompute_without_rollout_is():
 
 
 def test_build_batch_carries_behaviour_and_correct(ckpt):
-    probe = Learner(params.from_pretrained(ckpt), wiring.learner_config(tiny_paper_config("qwen3_4b_dapo")))
+    probe = Learner(params.from_pretrained(ckpt), wiring.learner_config(validate(tiny_paper_config("qwen3_4b_dapo"))))
     scored = episodes_with_rollout_logprobs(probe, OFFSETS)
     b = build_batch(scored, np.zeros(4), pad_id=0, rows_multiple_of=3, width_bucket=8)
     np.testing.assert_array_equal(b.correct, [1, 0, 0, 1, 0, 0])

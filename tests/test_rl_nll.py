@@ -95,7 +95,7 @@ def test_toy_nll_config():
     c = load_config("toy_nll")
     run = validate(c)
     assert (run.algo.loss, run.algo.nll_sequences, run.data.train) == ("nll", "correct", "toy")
-    loss = wiring.learner_config(c).loss
+    loss = wiring.learner_config(run).loss
     assert (loss.kind, loss.nll_sequences, loss.tis) == ("nll", "correct", "none")
 
 

@@ -333,18 +333,19 @@ def test_advantage_options_and_zero_group_exclusion_by_hand():
 
 def test_step_keys_reach_the_step_config():
     from cleaner_jax import wiring
+    from cleaner_jax.config import validate
 
     c = load_config("toy")
-    faithful = wiring.step_config(c, pad_id=3)
+    faithful = wiring.step_config(validate(c), pad_id=3)
     assert (faithful.old_logprobs, faithful.std_floor, faithful.singleton, faithful.exclude_zero_adv_groups) == (
         "recompute", 0.0, "authors", False)
     assert (faithful.max_response_tokens, faithful.overlong_buffer, faithful.pad_id, faithful.mini_batches) == (
         256, 64, 3, 1)
     c.algo.adv_std_floor, c.algo.adv_singleton, c.algo.exclude_zero_adv_groups = 0.01, "zero", True
-    got = wiring.step_config(c, pad_id=0)
+    got = wiring.step_config(validate(c), pad_id=0)
     assert (got.std_floor, got.singleton, got.exclude_zero_adv_groups) == (0.01, "zero", True)
     c.algo.advantage = "drgrpo"
     with pytest.raises(Exception, match=r"config\.algo\.adv_std_floor: a floor on the std applies to grpo only"):
-        wiring.step_config(c, pad_id=0)
+        wiring.step_config(validate(c), pad_id=0)
     with pytest.raises(ValueError, match=r"StepConfig\.singleton: 'none' is not allowed"):
         StepConfig(max_response_tokens=8, singleton="none")

@@ -255,20 +255,21 @@ def test_the_fault_keys_are_checked(key, value, pattern):
 
 def test_rollout_backend_sizes_the_pool_and_timeouts_from_the_config():
     """No server needed for backend=sglang: the client is built, not connected."""
-    from cleaner_jax.config import base_config
+    from cleaner_jax.config import base_config, validate
     from cleaner_jax.session import rollout_backend
 
     c = base_config()
+    c.model.tiny_init, c.data.eval_limit = True, 2  # a valid run config; no model is built
     c.rollout.backend, c.rollout.server_urls = "sglang", "http://127.0.0.1:1,http://127.0.0.1:2"
     c.algo.prompts_per_step, c.algo.group_size = 128, 16  # the paper's 2,048 concurrent trajectories
     c.rollout.request_timeout_s, c.rollout.read_timeout_per_token_s, c.rollout.connect_timeout_s = 60.0, 0.05, 3.0
-    with rollout_backend(c, checkpoint(0), 512) as fleet:
+    with rollout_backend(validate(c), checkpoint(0), 512) as fleet:
         client = fleet.client
         assert client.max_connections == 2048 and client.connect_timeout_s == 3.0
         assert client.read_timeout_s({"sampling_params": {"max_new_tokens": 20480}}) == pytest.approx(60 + 1024)
         assert fleet.server_wait_s == c.rollout.server_wait_s and fleet.embedded is None
     c.rollout.max_connections = 5
-    with rollout_backend(c, checkpoint(0), 512) as fleet:
+    with rollout_backend(validate(c), checkpoint(0), 512) as fleet:
         assert fleet.client.max_connections == 5
 
 
@@ -365,9 +366,10 @@ def test_trainer_with_no_server_back_in_time_writes_a_checkpoint_and_stops_with_
     """backend=sglang at our server (started here on the run's own initial checkpoint), SIGKILLed
     after step 1: step 2 waits rollout.server_wait_s, then the run stops with `error: ...`."""
     from _configs import load_config
+    from cleaner_jax.config import validate
     from cleaner_jax.session import prepare_model_dir
 
-    model = prepare_model_dir(load_config("toy"), tmp_path)  # what the run starts from (and reuses)
+    model = prepare_model_dir(validate(load_config("toy")), tmp_path)  # what the run starts from (and reuses)
     with servers(1, model) as (srv,):
         extra = ["--config.rollout.backend=sglang", f"--config.rollout.server_urls={srv.url}",
                  "--config.rollout.server_wait_s=3"]

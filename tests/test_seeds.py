@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cleaner_jax.config import validate
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.train import Trainer, data_seed
@@ -37,11 +38,11 @@ def test_data_order_follows_train_seed_unless_data_seed_is_set():
     c = toy_config()
     assert c.data.seed is None
     c.train.seed = 5
-    assert data_seed(c) == 5
+    assert data_seed(validate(c)) == 5
     c.data.seed = 2
-    assert data_seed(c) == 2
+    assert data_seed(validate(c)) == 2
     c.data.seed = None
-    uids = lambda seed: [p.uid for p in ProblemSampler(training_problems(c), seed).take(6)]  # noqa: E731
+    uids = lambda seed: [p.uid for p in ProblemSampler(training_problems(validate(c)), seed).take(6)]  # noqa: E731
     assert uids(5) == uids(5) and uids(5) != uids(6)
 
 
@@ -64,7 +65,7 @@ def one_step_run(workdir: Path, model_dir: Path, seed: int, data_seed_: int | No
     c.algo.micro_batch_size = 4
     c.train.steps = 1
     c.train.seed = seed
-    Trainer(c, workdir).run()
+    Trainer(validate(c), workdir).run()  # as train.main passes it
     rows = [json.loads(line) for line in (workdir / "tb" / "metrics.jsonl").read_text().splitlines()]
     metrics = {k: v for r in rows if r["step"] == 1 for k, v in r.items() if not k.startswith("time/")}
     with gzip.open(workdir / "trajectories" / "step_000001.jsonl.gz", "rt") as f:

@@ -239,7 +239,7 @@ def toy():
 def test_the_key_reaches_the_loss():
     c = toy()
     c.saar.splice_correction, c.saar.splice_cap = "mask", 1.5
-    loss = wiring.learner_config(c).loss
+    loss = wiring.learner_config(validate(c)).loss
     assert (loss.splice_correction, loss.splice_cap) == ("mask", 1.5)
     assert base_config().saar.splice_correction == "none"  # faithful default
 

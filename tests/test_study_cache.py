@@ -2,10 +2,13 @@
 entries are reused and copied whole (cleaner_jax/toy/warm_cache.py)."""
 import dataclasses
 import json
+import typing
 
 import pytest
 from _configs import load_config
 
+from cleaner_jax import schema
+from cleaner_jax.config import SECTIONS, validate
 from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.toy import warm_cache
 from cleaner_jax.wiring import agent_config
@@ -14,7 +17,7 @@ def key(edit=None):
     c = load_config("toy")
     if edit is not None:
         edit(c)
-    return warm_cache.warm_key(c), warm_cache.eval_key(c)
+    return warm_cache.warm_key(validate(c)), warm_cache.eval_key(validate(c))
 
 
 def setter(path, value):
@@ -36,8 +39,13 @@ def test_keys_the_warm_start_does_not_read_keep_the_key(path, value):
     assert key(setter(path, value))[0] == BASE[0]
 
 
-def other(value):
-    """A value of the same type that differs from `value`."""
+def other(value, path):
+    """A valid value of the key `path` that differs from `value` (the key is computed from the
+    validated config, as the trainer passes it)."""
+    section, name = path.split(".")
+    _, tp = schema.split_optional(schema.defaults(SECTIONS[section])[name][0])
+    if typing.get_origin(tp) is typing.Literal:
+        return next(v for v in typing.get_args(tp) if v != value)
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
@@ -55,23 +63,23 @@ def other(value):
 def test_keys_the_warm_start_reads_change_the_key(path):
     section, name = path.split(".")
     current = load_config("toy")[section][name]
-    assert key(setter(path, other(current)))[0] != BASE[0]
+    assert key(setter(path, other(current, path)))[0] != BASE[0]
 
 
 def test_reuse_by_other_code_warns(tmp_path, caplog):
     c = load_config("toy")
     c.warmup_sft.cache_dir = str(tmp_path / "cache")
     build = lambda out: (out.mkdir(parents=True), (out / "config.json").write_text("{}"))  # noqa: E731
-    warm_cache.fetch_warm_start(c, tmp_path / "a", build)
-    key_file = tmp_path / "cache" / warm_cache.warm_key(c) / "key.json"
+    warm_cache.fetch_warm_start(validate(c), tmp_path / "a", build)
+    key_file = tmp_path / "cache" / warm_cache.warm_key(validate(c)) / "key.json"
     recorded = json.loads(key_file.read_text())
     assert recorded["code"] == warm_cache.source_fingerprint() and len(recorded["code"]) == 64
     with caplog.at_level("WARNING", logger="cleaner_jax.toy.warm_cache"):
-        warm_cache.fetch_warm_start(c, tmp_path / "b", build)
+        warm_cache.fetch_warm_start(validate(c), tmp_path / "b", build)
     assert "other code" not in caplog.text
     key_file.write_text(json.dumps({**recorded, "code": "0" * 64}))
     with caplog.at_level("WARNING", logger="cleaner_jax.toy.warm_cache"):
-        warm_cache.fetch_warm_start(c, tmp_path / "c", build)
+        warm_cache.fetch_warm_start(validate(c), tmp_path / "c", build)
     assert "made by other code (source fingerprint 000000000000" in caplog.text
 
 
@@ -85,7 +93,7 @@ def test_reuse_by_other_code_warns(tmp_path, caplog):
 def test_step0_evaluation_key(path, same):
     section, name = path.split(".")
     current = load_config("toy")[section][name]
-    assert (key(setter(path, 3 if current is None else other(current)))[1] == BASE[1]) == same
+    assert (key(setter(path, 3 if current is None else other(current, path)))[1] == BASE[1]) == same
 
 
 def test_teacher_runs_with_the_faithful_saar_settings_whatever_the_arm():
@@ -93,9 +101,9 @@ def test_teacher_runs_with_the_faithful_saar_settings_whatever_the_arm():
     raw.saar.enable = False
     raw.saar.splice_correction = "none"
     cleaner.saar.splice_correction = "tis"
-    a, b = warm_cache.teacher_agent(agent_config(raw)), warm_cache.teacher_agent(agent_config(cleaner))
+    a, b = warm_cache.teacher_agent(agent_config(validate(raw))), warm_cache.teacher_agent(agent_config(validate(cleaner)))
     assert a == b and a.saar == SaarConfig()
-    assert dataclasses.replace(a, saar=agent_config(raw).saar) == agent_config(raw)  # only saar is replaced
+    assert dataclasses.replace(a, saar=agent_config(validate(raw)).saar) == agent_config(validate(raw))  # only saar is replaced
 
 
 def test_warm_start_built_once_then_copied(tmp_path):
@@ -109,34 +117,34 @@ def test_warm_start_built_once_then_copied(tmp_path):
         (out / "config.json").write_text(json.dumps({"built": len(calls)}))
         return out
 
-    assert warm_cache.fetch_warm_start(c, tmp_path / "run_a" / "warm_start_model", build) is False
-    assert warm_cache.fetch_warm_start(c, tmp_path / "run_b" / "warm_start_model", build) is True
+    assert warm_cache.fetch_warm_start(validate(c), tmp_path / "run_a" / "warm_start_model", build) is False
+    assert warm_cache.fetch_warm_start(validate(c), tmp_path / "run_b" / "warm_start_model", build) is True
     assert len(calls) == 1
     for run in ("run_a", "run_b"):
         assert json.loads((tmp_path / run / "warm_start_model" / "config.json").read_text()) == {"built": 1}
         assert not list((tmp_path / run).glob(".*"))  # no partial copy left behind
-    entry = tmp_path / "cache" / warm_cache.warm_key(c)
+    entry = tmp_path / "cache" / warm_cache.warm_key(validate(c))
     assert json.loads((entry / "key.json").read_text())["config"]["train"] == {"seed": 0}
     c.train.seed = 1  # another seed: another warm start
-    assert warm_cache.fetch_warm_start(c, tmp_path / "run_c" / "warm_start_model", build) is False
+    assert warm_cache.fetch_warm_start(validate(c), tmp_path / "run_c" / "warm_start_model", build) is False
     assert len(calls) == 2
 
 
 def test_step0_evaluation_stored_and_loaded(tmp_path):
     c = load_config("toy")
     c.warmup_sft.cache_dir = str(tmp_path / "cache")
-    assert warm_cache.load_step0_eval(c, tmp_path / "a" / "eval" / "step_000000") is None
+    assert warm_cache.load_step0_eval(validate(c), tmp_path / "a" / "eval" / "step_000000") is None
     ev = tmp_path / "first" / "eval" / "step_000000"
     (ev / "samples").mkdir(parents=True)
     (ev / "results.json").write_text("{}")
     (ev / "samples" / "toy.saar_off.jsonl").write_text('{"x": 1}\n')
     metrics = {"eval/toy/mean@2": 0.1 + 0.2, "eval/toy/pass@1": 1 / 3}
-    warm_cache.store_step0_eval(c, ev, metrics)
-    warm_cache.store_step0_eval(c, ev, {"eval/toy/mean@2": 9.0})  # a second writer keeps the first
+    warm_cache.store_step0_eval(validate(c), ev, metrics)
+    warm_cache.store_step0_eval(validate(c), ev, {"eval/toy/mean@2": 9.0})  # a second writer keeps the first
     out = tmp_path / "second" / "eval" / "step_000000"
-    assert warm_cache.load_step0_eval(c, out) == metrics  # floats exactly, through JSON
+    assert warm_cache.load_step0_eval(validate(c), out) == metrics  # floats exactly, through JSON
     assert (out / "samples" / "toy.saar_off.jsonl").read_text() == '{"x": 1}\n'
     c.saar.enable = False  # another arm of the seed: the same evaluation
-    assert warm_cache.load_step0_eval(c, tmp_path / "third" / "eval" / "step_000000") == metrics
+    assert warm_cache.load_step0_eval(validate(c), tmp_path / "third" / "eval" / "step_000000") == metrics
     c.eval.n = c.eval.n + 1  # other evaluation settings: not cached
-    assert warm_cache.load_step0_eval(c, tmp_path / "fourth" / "eval" / "step_000000") is None
+    assert warm_cache.load_step0_eval(validate(c), tmp_path / "fourth" / "eval" / "step_000000") is None

@@ -40,9 +40,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import ml_collections
-
+from cleaner_jax import schema
 from cleaner_jax.agent.config import AgentConfig
+from cleaner_jax.config import SECTIONS, RunConfig
 from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.saar.config import SaarConfig
 
@@ -90,9 +90,17 @@ def source_fingerprint(root: Path = PACKAGE) -> str:
     return h.hexdigest()
 
 
-def _select(c: ml_collections.ConfigDict, keys: Mapping[str, tuple[str, ...] | None],
+def config_values(c: RunConfig) -> dict[str, dict[str, Any]]:
+    """The run config as section -> key -> value: the keys of the ml-collections config (a nested
+    component such as `agent.saar` is its own section, not a key), so that the material hashed
+    is what each key holds."""
+    return {name: {key: getattr(getattr(c, name), key) for key in schema.defaults(cls)}
+            for name, cls in SECTIONS.items()}
+
+
+def _select(c: RunConfig, keys: Mapping[str, tuple[str, ...] | None],
             excluded: set[tuple[str, str]]) -> dict[str, dict[str, Any]]:
-    values = c.to_dict()
+    values = config_values(c)
     out: dict[str, dict[str, Any]] = {}
     for section, names in keys.items():
         if section not in values:
@@ -108,12 +116,12 @@ def _select(c: ml_collections.ConfigDict, keys: Mapping[str, tuple[str, ...] | N
     return out
 
 
-def warm_material(c: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
+def warm_material(c: RunConfig) -> dict[str, dict[str, Any]]:
     """Every config value the warm start reads (`WARM_KEYS`), by section."""
     return _select(c, WARM_KEYS, NOT_KEYED)
 
 
-def eval_material(c: ml_collections.ConfigDict) -> dict[str, dict[str, Any]]:
+def eval_material(c: RunConfig) -> dict[str, dict[str, Any]]:
     """Every config value the step-0 evaluation reads beyond the warm start's (`EVAL_KEYS`)."""
     return _select(c, EVAL_KEYS, EVAL_NOT_KEYED)
 
@@ -123,12 +131,12 @@ def _digest(material: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def warm_key(c: ml_collections.ConfigDict) -> str:
+def warm_key(c: RunConfig) -> str:
     """The warm start's cache key: a hash of `warm_material(c)`."""
     return _digest(warm_material(c))
 
 
-def eval_key(c: ml_collections.ConfigDict) -> str:
+def eval_key(c: RunConfig) -> str:
     """The step-0 evaluation's key under its warm start's directory."""
     return _digest(eval_material(c))
 
@@ -161,14 +169,14 @@ def _copy_whole(src: Path, dst: Path) -> None:
     commit_dir(tmp, dst)
 
 
-def entry_dir(c: ml_collections.ConfigDict) -> Path:
+def entry_dir(c: RunConfig) -> Path:
     """<cache_dir>/<warm key>/ of this run."""
     if c.warmup_sft.cache_dir is None:
         raise ValueError("warm_cache: warmup_sft.cache_dir is not set")
     return Path(c.warmup_sft.cache_dir).expanduser().resolve() / warm_key(c)
 
 
-def fetch_warm_start(c: ml_collections.ConfigDict, out_dir: Path, build: Callable[[Path], Path]) -> bool:
+def fetch_warm_start(c: RunConfig, out_dir: Path, build: Callable[[Path], Path]) -> bool:
     """Put the run's warm start at `out_dir`: a copy of the cached one, or `build(cache_path)` (the
     real warm start, written into the cache) first. Returns whether a cached one was reused."""
     entry = entry_dir(c)
@@ -194,7 +202,7 @@ def fetch_warm_start(c: ml_collections.ConfigDict, out_dir: Path, build: Callabl
 
 
 @contextmanager
-def step0_lock(c: ml_collections.ConfigDict) -> Iterator[None]:
+def step0_lock(c: RunConfig) -> Iterator[None]:
     """Held while a run looks up, or computes and stores, its step-0 evaluation: runs of one seed
     started at once (a study's `parallel`) evaluate once, the others wait and reuse it."""
     entry = entry_dir(c) / "eval0"
@@ -202,7 +210,7 @@ def step0_lock(c: ml_collections.ConfigDict) -> Iterator[None]:
         yield
 
 
-def load_step0_eval(c: ml_collections.ConfigDict, eval_dir: Path) -> dict[str, float] | None:
+def load_step0_eval(c: RunConfig, eval_dir: Path) -> dict[str, float] | None:
     """The cached step-0 evaluation's metrics, its report copied to `eval_dir`; None if not cached."""
     entry = entry_dir(c) / "eval0" / eval_key(c)
     if not (entry / "metrics.json").exists():
@@ -212,7 +220,7 @@ def load_step0_eval(c: ml_collections.ConfigDict, eval_dir: Path) -> dict[str, f
     return {k: float(v) for k, v in json.loads((entry / "metrics.json").read_text()).items()}
 
 
-def store_step0_eval(c: ml_collections.ConfigDict, eval_dir: Path, metrics: Mapping[str, float]) -> None:
+def store_step0_eval(c: RunConfig, eval_dir: Path, metrics: Mapping[str, float]) -> None:
     """Keep the run's step-0 evaluation (its report directory and metrics) for the runs after it.
     Another run that stored the same key first is kept (the same evaluation)."""
     final = entry_dir(c) / "eval0" / eval_key(c)

@@ -16,7 +16,6 @@ import logging
 import random
 from pathlib import Path
 
-import ml_collections
 import numpy as np
 from tqdm import tqdm
 
@@ -24,6 +23,7 @@ from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.tools import ToolExecutor
 from cleaner_jax.chat.template import ChatFormat
+from cleaner_jax.config import RunConfig
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import params
 from cleaner_jax.rl.batch import from_trajectories
@@ -53,7 +53,7 @@ async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent
     return [ep.raw.flatten() for ep in episodes]
 
 
-def warm_start(model_dir: Path, out_dir: Path, config: ml_collections.ConfigDict, chat: ChatFormat,
+def warm_start(model_dir: Path, out_dir: Path, config: RunConfig, chat: ChatFormat,
                executor: ToolExecutor, agent: AgentConfig, mesh) -> Path:
     """Fit `model_dir` on teacher demonstrations; write the result to `out_dir` (HF format)."""
     cfg = config.warmup_sft
