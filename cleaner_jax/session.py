@@ -45,7 +45,7 @@ from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.toy.vocabulary import TOY_VOCAB_SIZE, toy_corpus
 from cleaner_jax.viz import dumps
-from cleaner_jax.wiring import agent_config, scorer_options
+from cleaner_jax.wiring import agent_config, sandbox_options, scorer_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,8 +72,7 @@ class Session:
         with contextlib.ExitStack() as stack:  # closes what was opened if a later piece fails
             self.loop = asyncio.new_event_loop()
             stack.callback(self.loop.close)
-            self.sandbox = stack.enter_context(Sandbox(workers=c.sandbox.workers, timeout_s=c.sandbox.timeout_s,
-                                                       memory_mb=c.sandbox.memory_mb))
+            self.sandbox = stack.enter_context(Sandbox(**sandbox_options(c)))
             self.scorer = stack.enter_context(Scorer(self.sandbox, **scorer_options(c)))
             self.executor = SandboxExecutor(self.sandbox, observation_mode=c.agent.observation_mode,
                                             max_chars=c.agent.observation_max_chars)

@@ -139,3 +139,12 @@ def scorer_options(r: RunConfig) -> dict[str, Any]:
     """The `reward` keys as `rewards.scorer.Scorer` keyword arguments."""
     rw = r.reward
     return {"math_mode": rw.math_mode, "think_split": rw.think_split, "choice_mode": rw.choice_mode}
+
+
+def sandbox_options(r: RunConfig) -> dict[str, Any]:
+    """The `sandbox` keys as `tools.sandbox.Sandbox` keyword arguments: the one place where the
+    section meets the pool, so a key cannot be declared and then not passed (the session builds the
+    pool with these; tests/test_validate_once.py binds them to Sandbox's signature)."""
+    sb = r.sandbox
+    return {"workers": sb.workers, "timeout_s": sb.timeout_s, "memory_mb": sb.memory_mb,
+            "hang_grace_s": sb.hang_grace_s, "infra_retries": sb.infra_retries}

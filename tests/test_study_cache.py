@@ -34,6 +34,8 @@ BASE = key()
     ("train.steps", 3), ("train.eval_every", 1), ("warmup_sft.cache_dir", "/somewhere/else"),
     ("train.compilation_cache_dir", "/somewhere/xla"),
     ("rollout.temperature", 0.7), ("sandbox.workers", 3),
+    # how a sandbox fault is handled, not what a demonstration's call may do
+    ("sandbox.hang_grace_s", 5.0), ("sandbox.infra_retries", 0),
 ])
 def test_keys_the_warm_start_does_not_read_keep_the_key(path, value):
     assert key(setter(path, value))[0] == BASE[0]

@@ -4,13 +4,21 @@
 below them (the study checks each arm's run config in `study/config.py` and runs `train` as
 subprocesses). A module below that floor that imported ml_collections or `validate` would read
 the ml-collections config again, or validate it a second time: the static checks here fail on
-either."""
+either. Also here: the sandbox keys `sandbox.hang_grace_s` and `sandbox.infra_retries`, checked
+at start-up and reaching the Sandbox."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
+
+from cleaner_jax import session as session_mod
+from cleaner_jax import wiring
+from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.tools.sandbox import Sandbox
+from _configs import load_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cleaner_jax"
 # the entry floor (and the config package, which defines `validate` and the ml-collections config)
@@ -75,3 +83,52 @@ def test_each_entry_point_validates_once(entry):
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
              and n.func.id == "validate"]
     assert len(calls) == 1, f"{entry}: validate is called {len(calls)} times; once, then pass the RunConfig"
+
+
+# ----------------------------------------------------------------------------- the sandbox keys
+
+
+@pytest.mark.parametrize("key, bad, pattern", [
+    ("hang_grace_s", 0.0, r"^config\.sandbox\.hang_grace_s: 0\.0 .*> 0\.0"),
+    ("hang_grace_s", -5.0, r"^config\.sandbox\.hang_grace_s: -5\.0 "),
+    ("infra_retries", -1, r"^config\.sandbox\.infra_retries: -1 .*>= 0"),
+])
+def test_a_bad_sandbox_value_is_rejected_at_start_up_naming_the_key(key, bad, pattern):
+    c = load_config("toy")
+    with c.unlocked():
+        c.sandbox[key] = bad
+    with pytest.raises(ConfigError, match=pattern):
+        validate(c)
+
+
+def test_the_sandbox_defaults_are_the_constructors():
+    r = validate(load_config("toy"))
+    params = inspect.signature(Sandbox).parameters
+    assert (r.sandbox.hang_grace_s, r.sandbox.infra_retries) == (30.0, 1)
+    assert (params["hang_grace_s"].default, params["infra_retries"].default) == (30.0, 1)
+    inspect.signature(Sandbox).bind(**wiring.sandbox_options(r))  # every option is a Sandbox argument
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_sandbox_keys_reach_the_sandbox_the_session_starts(monkeypatch, tmp_path):
+    """Through `Session` as train and evaluate build it: the real pool's settings are the config's.
+    The session stops at the scorer (after the sandbox, before the tokenizer), and closes the pool."""
+    c = load_config("toy")
+    c.sandbox.workers, c.sandbox.timeout_s = 1, 3.0
+    c.sandbox.hang_grace_s, c.sandbox.infra_retries = 7.5, 3
+    seen = []
+
+    def scorer(sandbox, **_):
+        seen.append(sandbox)
+        raise _Stop
+
+    monkeypatch.setattr(session_mod, "Scorer", scorer)
+    with pytest.raises(_Stop):
+        with session_mod.Session(validate(c), tmp_path):
+            pass
+    (sb,) = seen
+    assert (sb.workers, sb.timeout_s, sb.hang_grace_s, sb.infra_retries) == (1, 3.0, 7.5, 3)
+    assert sb._closed  # the session closed what it had opened

@@ -119,6 +119,13 @@ class SandboxConfig:
     workers: int = field(4, ge=1, help="sandbox worker processes")
     timeout_s: float = field(4.0, gt=0.0, help="seconds per code execution")
     memory_mb: int = field(512, ge=1, help="memory limit per execution")
+    hang_grace_s: float = field(
+        30.0, gt=0.0, help="seconds past timeout_s a worker may stay silent before it counts as hung: it is killed, "
+        "replaced and the call retried (docs/reliability.md, row 2); the worker itself needs ~2 s to drain a "
+        "killed call")
+    infra_retries: int = field(
+        1, ge=0, help="times a call that failed for the sandbox's own reasons (a worker died or hung, a kill from "
+        "outside) is re-run on a fresh worker before it returns status infra and its episode is dropped")
 
 
 @section
