@@ -42,6 +42,7 @@ EXTRAS_REQUIRE = {
     "dev": [
         "pytest>=9.2.0,<10",
         "pytest-timeout>=2.4.0,<3",
+        "pytest-xdist>=3.6,<4",  # the suite on both cores (`pytest -n 2`; tests/conftest.py groups the tests)
         "import-linter>=2.1,<3",  # the folder layering in .importlinter (tests/test_architecture.py)
         "hypothesis>=6.170.17,<7",
         "scipy>=1.11,<2",  # independent reference of the bootstrap interval (tests/test_eval_metrics.py); jax needs it too

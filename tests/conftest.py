@@ -20,3 +20,41 @@ def small_study(tmp_path_factory):
     from _study_common import run_small_study
 
     return run_small_study(tmp_path_factory.mktemp("small_study"))
+
+
+# ---------------------------------------------------------------- the suite on several workers
+# `.ci/run` runs the suite with pytest-xdist (`-n 2 --dist loadgroup`, pytest.ini). Every test gets
+# a group, and a group runs whole on one worker: by default its module (so module-scoped fixtures
+# are built once), and the modules that share one session-wide expensive fixture form one group
+# (else each worker would build it). Groups are handed out in the order below, the longest first,
+# so that the workers finish together instead of one waiting for the last long file; the costs
+# are measured with `--durations=0` (bench/RESULTS.md, "CI on two workers"), and a module missing
+# from the list only runs later, never wrongly.
+SHARED_FIXTURE_GROUPS = {
+    "small_study": ("test_notebooks.py", "test_study_e2e.py"),  # conftest.small_study
+    "console_run": ("test_console.py", "test_metric_names.py", "test_viz_browser.py"),  # test_console.console_run
+}
+LONGEST_FIRST = (
+    "test_multihost_train.py", "console_run", "test_seeds.py", "test_trainer_kill.py", "test_soak.py",
+    "small_study", "test_evaluate_e2e.py", "test_weight_sync_faults.py", "test_gpu_check.py",
+    "test_rollout_faults.py", "test_loss_scaling.py", "test_rl_bucketing.py", "test_qwen_scan.py",
+    "test_rollout_server.py",
+)
+
+
+def _group(item: pytest.Item) -> str:
+    module = item.path.name
+    for group, modules in SHARED_FIXTURE_GROUPS.items():
+        if module in modules:
+            return group
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # a stable sort: within a group the tests keep their file order (their module fixtures rely on it)
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))
