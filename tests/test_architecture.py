@@ -108,3 +108,50 @@ def test_the_circle_check_covers_every_folder(tmp_path: Path) -> None:
     report = _circles_in(out.stdout)
     missing = [name for name in expected if f"No cycles are allowed in {name}.\n" not in report]
     assert not missing, report
+
+
+def _private_imports(package: Path) -> list[str]:
+    """`file:line name` for every import of a private name from another module, and of a private
+    module from outside its own package (a module's underscore names are its own business)."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        own_package = ".".join(rel.with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cleaner_jax"):
+                pairs = [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [(a.name.rpartition(".")[0], a.name.rpartition(".")[2]) for a in node.names
+                         if a.name.startswith("cleaner_jax.")]
+            else:
+                continue
+            for module, name in pairs:
+                parts = module.split(".")
+                is_submodule = (package.parent / Path(*parts) / f"{name}.py").exists()
+                if is_submodule and name.startswith("_") and module != own_package:
+                    found.append(f"{rel}:{node.lineno} {module}.{name} (a private module of another package)")
+                elif not is_submodule and name.startswith("_"):
+                    found.append(f"{rel}:{node.lineno} {module}.{name} (a private name of another module)")
+                for i, part in enumerate(parts):
+                    if part.startswith("_") and ".".join(parts[:i]) != own_package:
+                        found.append(f"{rel}:{node.lineno} {module} (a private module of another package)")
+    return found
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    assert _private_imports(ROOT / "cleaner_jax") == []
+
+
+@pytest.mark.parametrize("module, line", [
+    ("rl/learner.py", "from cleaner_jax.rl.update import _unknown_helper"),  # a private name of another module
+    ("rewards/math.py", "from cleaner_jax.tools import _linux"),  # another package's private module
+    ("eval/runner.py", "import cleaner_jax.tools._linux"),
+])
+def test_the_private_import_check_fails_on_one(tmp_path: Path, module: str, line: str) -> None:
+    parent = _copy_package(tmp_path)
+    target = parent / "cleaner_jax" / module
+    target.write_text(target.read_text() + f"\n{line}  # deliberately private\n")
+    found = _private_imports(parent / "cleaner_jax")
+    assert len(found) >= 1 and all(str(Path(module)) in f for f in found), found

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from cleaner_jax.tools._framing import recv_msg, send_msg
+from cleaner_jax.tools.framing import recv_msg, send_msg
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 
 from cleaner_jax.rewards.result import RewardResult
-from cleaner_jax.tools._framing import recv_exact, send_msg
+from cleaner_jax.tools.framing import recv_exact, send_msg
 
 log = logging.getLogger(__name__)
 

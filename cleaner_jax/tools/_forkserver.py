@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 
 from cleaner_jax.tools import _linux
 from cleaner_jax.tools._executor import install_std_streams, run_user_code
-from cleaner_jax.tools._framing import recv_msg, send_msg
+from cleaner_jax.tools.framing import recv_msg, send_msg
 from cleaner_jax.tools._outcome import Ending, classify, cpu_limit_s, is_stopped
 from cleaner_jax.tools._mounts import python_paths, setup_mounts, under_tmp, untraversable_ancestors
 

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from cleaner_jax.tools._framing import recv_exact, send_msg
+from cleaner_jax.tools.framing import recv_exact, send_msg
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ Family = Literal["qwen2", "qwen3"]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-_CORPUS = [
+CORPUS = [
     "You are a helpful assistant. Solve the problem step by step and put the final answer in \\boxed{}.",
     "What is 12 * 7 + 3? Let me compute this with Python. The answer is \\boxed{87}.",
     'Tool call success\nstdout: 42\n', "Tool call failure\nreason: \nstderr: NameError at line 1: name 'x' is not defined",
@@ -73,7 +73,7 @@ def build_tokenizer(out_dir: str | os.PathLike, family: Family = "qwen3", vocab_
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS if corpus is None else list(corpus), trainer=trainer)
+    tok.train_from_iterator(CORPUS if corpus is None else list(corpus), trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

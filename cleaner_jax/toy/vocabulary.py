@@ -14,7 +14,7 @@ import random
 import tempfile
 
 from cleaner_jax.toy import task as toy_task
-from cleaner_jax.toy.checkpoint import _CORPUS, Family, build_tokenizer
+from cleaner_jax.toy.checkpoint import CORPUS, Family, build_tokenizer
 
 _NAMES = ("reslt", "result", "calc", "x")
 TOY_VOCAB_SIZE = 768  # the model's embedding rows: BPE tokens + Qwen's added tokens
@@ -27,7 +27,7 @@ def toy_corpus(family: Family, n: int = 200, seed: int = 12345) -> list[str]:
     with tempfile.TemporaryDirectory() as scratch:
         generic = build_tokenizer(scratch, family)  # only to render the chat template as text
     rng = random.Random(seed)
-    texts: list[str] = list(_CORPUS)
+    texts: list[str] = list(CORPUS)
     for p in toy_task.make_problems(n, seed=seed, max_operand=99, num_ops=2):
         expr = toy_task.expression_of(p)
         texts.append(generic.apply_chat_template(list(p.messages), tools=[CODE_INTERPRETER_TOOL],
