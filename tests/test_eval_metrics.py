@@ -476,3 +476,19 @@ def test_runner_results_do_not_depend_on_concurrency_and_resume_reruns_only_miss
     again = _evaluate(collector, problems, tmp_path / "one", codec, concurrent=1)
     assert len(calls) == 2 * 4  # two problems x n episodes (SAAR off was complete)
     assert _untimed(again) == _untimed(one)
+
+
+def test_infra_failures_count_the_invalid_samples_episodes():
+    """tool_calls/infra_failures counts the failures of the samples left out as invalid (over the
+    valid ones alone it would always be 0): here 5 invalid samples with one infra failure each."""
+    def infra_episode() -> Episode:
+        raw = RawTrajectory((1, 2), (Segment("prompt", (1, 2)),))
+        return Episode(raw, raw.flatten(), (), ToolStats(infra_failures=1), "infra", False, 0)
+
+    codec = EpisodeCodec(encode=lambda e: {}, decode=lambda d: infra_episode() if d else _episode())
+    records = [{**r, "samples": [{**s, "episode": {} if s["valid"] else {"infra": 1}} for s in r["samples"]]}
+               for r in RECORDS]
+    r = summarise("aime24", False, records, 4, {"temperature": 1.0}, eval_seed=0, resamples=50, bootstrap_seed=0,
+                  ci_level=0.9, codec=codec)
+    assert r.invalid == 5 and r.tool["tool_calls/infra_failures"] == 5.0
+    assert _summary(RECORDS).tool["tool_calls/infra_failures"] == 0.0  # the invalid samples' episodes had none

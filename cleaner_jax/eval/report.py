@@ -63,11 +63,13 @@ def summarise(name: str, saar: bool, records: Sequence[dict[str, Any]], n: int, 
               eval_seed: int, resamples: int, bootstrap_seed: int, ci_level: float,
               codec: EpisodeCodec) -> BenchmarkResult:
     rows = sorted(records, key=lambda r: r["index"])
-    values, votes, correct, scores, episodes = [], [], [], [], []
+    values, votes, correct, scores, episodes, excluded = [], [], [], [], [], []
     invalid = empty = 0
     for r in rows:
         valid = [s for s in r["samples"] if s["valid"]]
         invalid += len(r["samples"]) - len(valid)
+        # the invalid samples' episodes count in tool_calls/infra_failures only, as in training
+        excluded += [codec.decode(s["episode"]) for s in r["samples"] if not s["valid"] and s["episode"] is not None]
         if not valid:
             empty += 1
             continue
@@ -94,7 +96,7 @@ def summarise(name: str, saar: bool, records: Sequence[dict[str, Any]], n: int, 
     return BenchmarkResult(
         name=name, saar=saar, problems=len(values), samples_per_problem=n, **head,
         mean_score=float(np.mean(scores)) if scores else float("nan"), invalid=invalid,
-        problems_without_valid_samples=empty, tool=step_metrics(episodes) if episodes else {},
+        problems_without_valid_samples=empty, tool=step_metrics(episodes, excluded=excluded) if episodes else {},
         first_attempt_error_rate=failed / tried if tried else (0.0 if episodes else float("nan")),
         first_attempt_errors_per_trajectory=failed / len(episodes) if episodes else float("nan"),
         settings=dict(settings), seeds={"eval_seed": eval_seed, "bootstrap_seed": bootstrap_seed,
