@@ -75,7 +75,7 @@ class WeightSync:
                 report = self.session.run(sync_weights(self.session.client, path, version, urls=fleet.live_urls(),
                                                        timings=timings, **probe))
         except (WeightSyncError, NonFiniteWeightsError, ExportFailedError, RolloutUnavailableError) as err:
-            failure = err  # an export failure is raised on every process (`params.save_model`)
+            failure = err  # an export failure is raised on every process (`params.save_pretrained`)
         if jax.process_count() > 1:  # process 0's outcome, so that every process stops together
             said = distributed.broadcast_text("" if failure is None else f"{type(failure).__name__}: {failure}")
             if said and failure is None:

@@ -55,7 +55,7 @@ def plot_runs(runs: dict[str, Path], tag: str, out_png: str | Path, *, title: st
             missing.append(label)
             continue
         steps, values = scalars[tag]
-        ax.plot(steps, values, marker="o", ms=3, label=label)
+        figure.curve(ax, steps, values, label)
     if missing:
         figure.close(fig)
         raise KeyError(f"tag {tag!r} missing in runs: {missing}")
