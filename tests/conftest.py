@@ -23,13 +23,12 @@ def small_study(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- the suite on several workers
-# `.ci/run` runs the suite with pytest-xdist (`-n 2 --dist loadgroup`, pytest.ini). Every test gets
-# a group, and a group runs whole on one worker: by default its module (so module-scoped fixtures
-# are built once), and the modules that share one session-wide expensive fixture form one group
-# (else each worker would build it). Groups are handed out in the order below, the longest first,
-# so that the workers finish together instead of one waiting for the last long file; the costs
-# are measured with `--durations=0` (bench/RESULTS.md, "CI on two workers"), and a module missing
-# from the list only runs later, never wrongly.
+# `.ci/run` runs the suite with pytest-xdist (`-n 2`). A group of tests runs whole on one worker:
+# by default its module (so module-scoped fixtures are built once), and the modules that share one
+# session-wide expensive fixture form one group (else each worker would build it). Groups are
+# handed out in the order below, the longest first, so that the workers finish together instead of
+# one waiting for the last long file; the costs are measured with `--durations=0`
+# (bench/RESULTS.md, "CI on two workers"), and a module missing from the list only runs later.
 SHARED_FIXTURE_GROUPS = {
     "small_study": ("test_notebooks.py", "test_study_e2e.py"),  # conftest.small_study
     "console_run": ("test_console.py", "test_metric_names.py", "test_viz_browser.py"),  # test_console.console_run
@@ -42,19 +41,28 @@ LONGEST_FIRST = (
 )
 
 
-def _group(item: pytest.Item) -> str:
-    module = item.path.name
+def group_of(nodeid: str) -> str:
+    """The group of a test id (`tests/test_x.py::test_y[...]`): its module's, or a shared one."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
     for group, modules in SHARED_FIXTURE_GROUPS.items():
         if module in modules:
             return group
     return module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    for item in items:
-        if not any(item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
     # a stable sort: within a group the tests keep their file order (their module fixtures rely on it)
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's scope scheduler (work units in collection order with --no-loadscope-reorder), with
+    `group_of` as the unit: the way xdist's own loadfile scheduler narrows it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
