@@ -32,6 +32,7 @@ from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet, Rollo
 from cleaner_jax.rollout.protocol import GenOutput
 from cleaner_jax.rollout.weight_sync import sync_weights
 from cleaner_jax.saar.config import SaarConfig
+from cleaner_jax.testing.http import http_call
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy import task as toy_task
 from test_rollout_client import canned, fake_server
@@ -386,8 +387,10 @@ def test_trainer_with_no_server_back_in_time_writes_a_checkpoint_and_stops_with_
 
 class PauseOnce:
     """The trajectory's routed generate; the first call of the collection also starts a task
-    that pauses the server 0.3 s later (SGLang's weight-update flow, mode "abort": running turns
-    come back with finish type "abort") and lets it continue 0.5 s after that."""
+    that pauses the server once that turn is running on it (its `/get_load` counts it; SGLang's
+    weight-update flow, mode "abort": running turns come back with finish type "abort") and lets
+    it continue 0.5 s after that. Waiting for the turn, not a fixed delay, is what makes the pause
+    land inside it however fast the box runs (a 0.3 s delay missed it when the box was idle)."""
 
     def __init__(self, inner, client, url: str, tasks: list) -> None:
         self.inner, self.client, self.url, self.tasks = inner, client, url, tasks
@@ -395,7 +398,10 @@ class PauseOnce:
     async def __call__(self, input_ids, sampling):
         if not self.tasks:
             async def pause_then_continue():
-                await asyncio.sleep(0.3)
+                deadline = time.monotonic() + 30
+                while (await asyncio.to_thread(http_call, self.url, "GET", "/get_load"))[1][0]["num_reqs"] == 0:
+                    assert time.monotonic() < deadline, "the first turn never reached the server"
+                    await asyncio.sleep(0.005)
                 await self.client.pause_generation(self.url)
                 await asyncio.sleep(0.5)
                 await self.client.continue_generation(self.url)
