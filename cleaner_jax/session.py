@@ -45,7 +45,7 @@ from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.toy.vocabulary import TOY_VOCAB_SIZE, toy_corpus
 from cleaner_jax.viz import dumps
-from cleaner_jax.wiring import agent_config, sandbox_options, scorer_options
+from cleaner_jax.wiring import sandbox_options, scorer_options
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,7 +79,7 @@ class Session:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
             tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
             self.chat = ChatFormat(self.tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
-            self.agent = agent_config(c)
+            self.agent = c.agent
             crowded = sandbox_warning(c)
             if crowded is not None:
                 log.warning("%s", crowded)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cleaner_jax import schema
-from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.config import TOY, DataConfig, RunConfig
 from cleaner_jax.config import eval_settings as config_eval_settings
 from cleaner_jax.data.benchmarks import load_user_benchmark, parse_eval_spec
@@ -31,10 +30,6 @@ from cleaner_jax.toy import task as toy_task
 log = logging.getLogger(__name__)
 LOGGED_SKIPS = 20  # skipped rows named one by one in the log; all are counted
 TOY_EVAL_SEED = 987_654  # the toy benchmark: fixed problems, from the held-out side of the toy's partition
-
-
-def agent_config(r: RunConfig) -> AgentConfig:
-    return r.agent
 
 
 def learner_config(r: RunConfig) -> LearnerConfig:

@@ -365,7 +365,7 @@ def test_wiring_maps_each_key_onto_its_component_field():
     assert (lc.micro_batch_size, lc.logprob_micro_batch_size, lc.temperature, lc.logprob_chunk_size) == (2, 2, 0.9, 64)
     assert wiring.train_sampling(validate(c)) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
     assert wiring.eval_sampling(validate(c)) == {"temperature": 0.7, "top_p": 0.5, "top_k": 5}  # apart from training's
-    ac = wiring.agent_config(validate(c))
+    ac = validate(c).agent
     assert (ac.tool_call_parser, ac.max_assistant_turns, ac.saar.gamma, ac.saar.enable) == ("strict", 4, 0.3, False)
 
 

@@ -11,7 +11,6 @@ from cleaner_jax import schema
 from cleaner_jax.config import SECTIONS, validate
 from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.toy import warm_cache
-from cleaner_jax.wiring import agent_config
 
 def key(edit=None):
     c = load_config("toy")
@@ -103,9 +102,9 @@ def test_teacher_runs_with_the_faithful_saar_settings_whatever_the_arm():
     raw.saar.enable = False
     raw.saar.splice_correction = "none"
     cleaner.saar.splice_correction = "tis"
-    a, b = warm_cache.teacher_agent(agent_config(validate(raw))), warm_cache.teacher_agent(agent_config(validate(cleaner)))
+    a, b = warm_cache.teacher_agent(validate(raw).agent), warm_cache.teacher_agent(validate(cleaner).agent)
     assert a == b and a.saar == SaarConfig()
-    assert dataclasses.replace(a, saar=agent_config(validate(raw)).saar) == agent_config(validate(raw))  # only saar is replaced
+    assert dataclasses.replace(a, saar=validate(raw).agent.saar) == validate(raw).agent  # only saar is replaced
 
 
 def test_warm_start_built_once_then_copied(tmp_path):
