@@ -122,6 +122,20 @@ def test_prefix_cache_and_flush_over_http(server):
     assert call(server.url, "POST", "/generate", turn2)[1]["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_request_is_no_longer_pending_when_its_caller_is_answered(server):
+    """The flush above was once refused (400) on a busy CI box: the batch handed out its answers
+    before it stopped counting as pending. A done-callback runs inside set_result, so it sees
+    the count exactly as the answered caller could."""
+    from cleaner_jax.rollout.request import GenRequest, parse_sampling
+
+    seen: list[int] = []
+    req = GenRequest(tuple(A), parse_sampling(GREEDY, server.state.engine.default_sampling), "pending-probe")
+    fut = server.state.scheduler.submit(req)
+    fut.add_done_callback(lambda _: seen.append(server.state.scheduler.num_pending))
+    fut.result(timeout=120)
+    assert seen == [0]
+
+
 def test_update_weights_from_disk_over_http(server):
     status, out = call(server.url, "POST", "/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "x"})
     assert status == 400 and out["success"] is False

@@ -142,19 +142,24 @@ class BatchScheduler:
             batch, stop = self._collect(first)
             live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
             self.batches_run += 1
+            results: list[GenResult] = []
+            error: BaseException | None = None
             try:
                 results = self.engine.generate_batch([r for r, _ in live]) if live else []
             except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
-                for _, fut in live:
-                    fut.set_exception(exc)
-            else:
-                for (_, fut), res in zip(live, results):
-                    fut.set_result(res)
-            finally:
-                with self._pending_lock:
-                    for req, _ in batch:
-                        self._pending.pop(req.rid, None)
-                    self.engine.forget_aborts([req.rid for req, _ in batch])
+                error = exc
+            # a batch stops counting as pending before any caller sees its answer: a caller that
+            # gets its result and at once asks for /flush_cache must not be refused for its own
+            # finished request
+            with self._pending_lock:
+                for req, _ in batch:
+                    self._pending.pop(req.rid, None)
+                self.engine.forget_aborts([req.rid for req, _ in batch])
+            for i, (_, fut) in enumerate(live):
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(results[i])
         for _, fut in self._drain():
             fut.set_exception(RuntimeError("BatchScheduler closed before the request ran"))
 
