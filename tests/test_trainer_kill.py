@@ -19,7 +19,6 @@ and SIGKILLs the process group. Orbax's own commit is interrupted by blocking it
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
@@ -132,24 +131,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from safetensors.numpy import load_file  # noqa: E402
+from _run_compare import close_enough, is_wall_clock  # noqa: E402
 from test_train_toy import kill_trainer, reference_run, train_cmd  # noqa: E402
-
-SERVER_BATCHED = ("learner/gap/", "weight_sync/probe_gap")
-
-
-def is_wall_clock(name: str) -> bool:
-    return name.startswith("time/") or name.endswith("_s") or "wall_s" in name
-
-
-def close_enough(name: str, a: float, b: float) -> bool:
-    if isinstance(a, str) or isinstance(b, str):  # "nan" / "inf" in metrics.jsonl
-        return str(a) == str(b)
-    if math.isnan(a) and math.isnan(b):
-        return True
-    if name.startswith(SERVER_BATCHED) or ("splice/" in name and "log_ratio" in name):
-        return abs(a - b) <= 1e-5
-    return a == b
-
 
 def jsonl_rows(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "tb" / "metrics.jsonl").read_text().splitlines()]
