@@ -1,10 +1,32 @@
 """Test-session setup: 4 forced host devices so sharding tests run on any CPU machine (this must
-take effect before JAX runs its first computation, hence at conftest import), and the session's
-one small real study (tests/_study_common.py), shared by every test file that asks for it.
+take effect before JAX runs its first computation, hence at conftest import), one XLA
+compilation cache for the whole test run, the session's one small real study
+(tests/_study_common.py), shared by every test file that asks for it, and the grouping of the
+tests on xdist's workers.
 """
 import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent XLA compilation cache for the run: every xdist worker and every trainer, rollout
+# server and helper process a test starts (they inherit the environment) loads the programs an
+# earlier test compiled instead of compiling them again; most of a tiny toy run's time is
+# compilation. JAX keys an entry by the program, the compile options and the versions, so a hit is
+# the very executable a compile would give. A test that sets its own directory
+# (train.compilation_cache_dir, --compilation-cache-dir) still uses its own, and one that starts a
+# process with a scrubbed environment starts cold; a JAX_COMPILATION_CACHE_DIR of the user's is
+# left as it is. The controller (or a run without xdist) picks the directory before the workers
+# start, they inherit it, and the controller removes it at the end.
+if "CLEANER_JAX_TESTS_XLA_CACHE" not in os.environ:
+    os.environ["CLEANER_JAX_TESTS_XLA_CACHE"] = str(Path(tempfile.gettempdir()) / f"cleaner_jax_tests_xla_{uuid.uuid4().hex}")
+TEST_XLA_CACHE = Path(os.environ["CLEANER_JAX_TESTS_XLA_CACHE"])
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(TEST_XLA_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # a toy's programs compile fast, and many
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -66,3 +88,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return group_of(nodeid)
 
     return GroupScheduling(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), after every worker
+        if TEST_XLA_CACHE.exists():
+            shutil.rmtree(TEST_XLA_CACHE)
