@@ -24,6 +24,10 @@ Timeouts: `connect_timeout_s` bounds opening a connection; a request may then wa
 answer `timeout_s + read_timeout_per_token_s * max_new_tokens` seconds, so a 20k-token turn gets
 the time it needs and a short one fails fast. Waiting for a free connection of the pool
 (`max_connections`, sized to the rollout concurrency) is not timed: it is not a server fault.
+
+Keep-alive: an idle pooled connection is dropped after `keepalive_s` (default `KEEPALIVE_S`,
+4 s), shorter than the server's own idle timeout (uvicorn's 5 s under SGLang), so the client
+never reuses a connection the server has already closed (that fails as ServerDisconnectedError).
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ UNREACHABLE = "unreachable"  # the out-of-rotation reason (prefix) of a server t
 
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a body does not say (sizes the read timeout)
+KEEPALIVE_S = 4.0  # idle seconds a pooled connection is kept: below SGLang's (uvicorn's) 5 s, so a closed one is never reused
 
 
 @dataclasses.dataclass
@@ -85,6 +90,7 @@ class SGLangClient:
         backoff_s: float = 0.5,
         vocab_size: int | None = None,
         max_routes: int = 100_000,
+        keepalive_s: float | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -98,6 +104,9 @@ class SGLangClient:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_per_token_s = read_timeout_per_token_s
         self.max_connections = max_connections
+        self.keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
+        if not self.keepalive_s > 0:
+            raise ValueError(f"SGLangClient: keepalive_s={keepalive_s} must be > 0 (and below the server's idle timeout)")
         # what went wrong since the last `take_counters()`: request_timeouts, request_failovers,
         # servers_lost (taken out of the rotation as unreachable), trajectories_lost (ServerLostError raised)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -119,7 +128,8 @@ class SGLangClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop or self._session.closed:
             # limit_per_host=0: one server may hold every connection (a single-server run)
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
+                                             keepalive_timeout=self.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector)
             self._session_loop = loop
         return self._session
@@ -211,7 +221,7 @@ class SGLangClient:
             except _RETRYABLE as exc:
                 last_exc = exc
                 timed_out = isinstance(exc, asyncio.TimeoutError)
-                what = f"no answer within {read_s:.0f} s" if timed_out else repr(exc)
+                what = f"no answer within {read_s:g} s" if timed_out else repr(exc)
                 log.warning("%s %s%s failed (attempt %d/%d): %s", method, tried.url, path, attempt + 1,
                             self.retries + 1, what)
                 if timed_out:
