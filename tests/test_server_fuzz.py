@@ -112,6 +112,12 @@ def _hostile_cases(rng: random.Random, vocab: int, context: int) -> list[tuple[s
              {"model_path": "/nonexistent", "weight_version": [1]}])}),
         lambda: ("update bad json", "/update_weights_from_disk", {"raw": rng.choice([b"{x", b"\xff\xfe", b"[]"])}),
         lambda: ("version bad body", "/update_weight_version", {"raw": rng.choice([b"{", b"[]", b"{}", b"7"])}),
+        lambda: ("version not a string", "/update_weight_version", {"body": {"new_version": rng.choice(
+            [rng.randint(-10**6, 10**6), [], [str(rng.random())], None, "", {"v": 1}, True, rng.random()])}}),
+        lambda: ("huge number literal", rng.choice(["/generate", "/update_weight_version", "/abort_request"]),
+                 {"raw": b'{"input_ids": [' + b"9" * rng.randint(4301, 20000) + b"]}"}),
+        lambda: ("deep nesting", rng.choice(["/generate", "/update_weight_version", "/abort_request"]),
+                 {"raw": (lambda d: b'{"input_ids": ' + b"[" * d + b"]" * d + b"}")(rng.randint(10**4, 10**5))}),
         lambda: ("pause bad body", "/pause_generation", {"raw": rng.choice(
             [b"{", b"[]", b"\xff", b'{"mode": "in_place"}', b'{"mode": 3}'])}),
         lambda: ("unknown route", rng.choice(["/generat", "/v1/completions_x", "/abort"]), {"body": {}}),

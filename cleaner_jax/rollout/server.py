@@ -250,7 +250,10 @@ async def update_weight_version(request: web.Request, state: ServerState) -> web
     body = await read_json_object(request)
     if "new_version" not in body:
         return error_response(400, "new_version is required")
-    state.engine.weight_version = str(body["new_version"])
+    version = body["new_version"]
+    if not isinstance(version, str) or not version:  # SGLang's new_version is a str; 5, [] or null is a client bug
+        return error_response(400, f"new_version must be a non-empty string, got {version!r:.80}")
+    state.engine.weight_version = version
     return web.json_response({"success": True, "message": "Weight version updated", "new_version": state.engine.weight_version})
 
 

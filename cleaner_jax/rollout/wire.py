@@ -37,6 +37,12 @@ async def read_json_object(request: web.Request, *, empty_ok: bool = False) -> d
         raise BadRequest(f"request body is not valid JSON: not UTF-8 ({exc})") from None
     except json.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # int() of a number literal over Python's 4300-digit limit
+        raise BadRequest(f"request body has a number this server cannot read: {exc}; send numbers within "
+                         "their field's range") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply to parse; no request field nests more than a "
+                         "few levels") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got a JSON {type(body).__name__}")
     return body
