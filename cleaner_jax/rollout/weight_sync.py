@@ -172,7 +172,8 @@ async def check_export(client: SGLangClient, path: str, urls: Sequence[str]) -> 
 async def check_context_budget(client: SGLangClient, budget: int, keys: str) -> dict[str, int]:
     """Each server's context (tokens one request may hold), checked against `budget` (the agent's
     prompt + response tokens, named by `keys`); returns url -> context. A budget over a server's
-    context would be answered 400 mid-rollout (or, past SGLang's KV pool, silently clamped).
+    context would be answered 400 mid-rollout (or, past SGLang's KV pool, silently clamped); one equal
+    to it ends one token short with finish=length (SGLang serves at most context - 1 tokens).
 
     The context is `/v1/models` `max_model_len` (both servers), bounded by `/server_info`
     `max_total_num_tokens` where the server reports it (SGLang's KV pool)."""
@@ -184,9 +185,10 @@ async def check_context_budget(client: SGLangClient, budget: int, keys: str) -> 
         if isinstance(pool, int):
             limits["/server_info max_total_num_tokens"] = pool
         where, context = min(limits.items(), key=lambda kv: kv[1])
-        if budget > context:
+        if budget >= context:  # SGLang generates at most context - 1 tokens: prompt + response = context ends one short
             raise ContextBudgetError(
-                f"{keys} = {budget} tokens, but {server.url} holds at most {context} tokens per request ({where}): "
+                f"{keys} = {budget} tokens, but {server.url} serves at most {context - 1} tokens per request (context "
+                f"{context} from {where}, less the one SGLang keeps): "
                 f"lower {keys.replace(' + ', ' or ')}, or serve with a longer context (SGLang: --context-length, "
                 "--max-total-tokens)")
         out[server.url] = context
