@@ -114,6 +114,15 @@ def _hostile_cases(rng: random.Random, vocab: int, context: int) -> list[tuple[s
         lambda: ("version bad body", "/update_weight_version", {"raw": rng.choice([b"{", b"[]", b"{}", b"7"])}),
         lambda: ("version not a string", "/update_weight_version", {"body": {"new_version": rng.choice(
             [rng.randint(-10**6, 10**6), [], [str(rng.random())], None, "", {"v": 1}, True, rng.random()])}}),
+        # integers past what the engine holds (int32): the field, a random size from 2**31 to 2**80
+        lambda: ("integer out of range", "/generate", {"body": {"input_ids": PROMPT, "sampling_params": {
+            **GREEDY, **dict([rng.choice([
+                ("top_k", rng.randint(2**31, 2**80)),
+                ("stop_token_ids", [5, rng.randint(2**31, 2**80)]),
+                ("stop_token_ids", [-rng.randint(1, 2**80)]),
+                ("n", rng.randint(2**31, 2**80)),
+                ("max_new_tokens", rng.randint(2**31, 2**80)),
+            ])])}}}),
         lambda: ("huge number literal", rng.choice(["/generate", "/update_weight_version", "/abort_request"]),
                  {"raw": b'{"input_ids": [' + b"9" * rng.randint(4301, 20000) + b"]}"}),
         lambda: ("deep nesting", rng.choice(["/generate", "/update_weight_version", "/abort_request"]),

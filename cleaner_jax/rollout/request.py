@@ -33,6 +33,9 @@ SGLANG_SAMPLING_KEYS = (
 )
 
 
+INT32_MAX = 2**31 - 1
+
+
 class UnknownFieldError(ValueError):
     """A sampling_params key SGLang does not know: 400 `{"error": "unknown field ..."}`."""
 
@@ -102,6 +105,13 @@ def parse_sampling(raw: dict[str, Any] | None, defaults: SamplingParams) -> Samp
         raise ValueError(f"max_new_tokens must be at least 0, got {params.max_new_tokens}")
     if params.n < 1:
         raise ValueError(f"n must be at least 1, got {params.n}")
+    # the engine holds these in int32 arrays: a larger value would overflow there (HTTP 500)
+    for name in ("max_new_tokens", "top_k", "n"):
+        if getattr(params, name) > INT32_MAX:
+            raise ValueError(f"sampling_params.{name} must be at most {INT32_MAX}, got {getattr(params, name)}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t <= INT32_MAX]
+    if bad:
+        raise ValueError(f"sampling_params.stop_token_ids must be token ids in [0, {INT32_MAX}], got {bad[:4]}")
     return params
 
 

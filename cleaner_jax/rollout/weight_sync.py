@@ -169,6 +169,17 @@ async def check_export(client: SGLangClient, path: str, urls: Sequence[str]) -> 
 
 # ----------------------------------------------------------------------------- the context check
 
+def require_context_budget(budget: int, keys: str, context: int, server: str, where: str) -> None:
+    """Raise ContextBudgetError unless `budget` tokens fit a context of `context` tokens (`where`
+    says whose): SGLang generates at most context - 1 tokens, so prompt + response = context ends
+    one short with finish=length, and is refused like a budget over the context."""
+    if budget >= context:
+        raise ContextBudgetError(
+            f"{keys} = {budget} tokens, but {server} serves at most {context - 1} tokens per request (context "
+            f"{context} from {where}, less the one SGLang keeps): lower {keys.replace(' + ', ' or ')}, or serve with "
+            "a longer context (SGLang: --context-length, --max-total-tokens)")
+
+
 async def check_context_budget(client: SGLangClient, budget: int, keys: str) -> dict[str, int]:
     """Each server's context (tokens one request may hold), checked against `budget` (the agent's
     prompt + response tokens, named by `keys`); returns url -> context. A budget over a server's
@@ -185,12 +196,7 @@ async def check_context_budget(client: SGLangClient, budget: int, keys: str) -> 
         if isinstance(pool, int):
             limits["/server_info max_total_num_tokens"] = pool
         where, context = min(limits.items(), key=lambda kv: kv[1])
-        if budget >= context:  # SGLang generates at most context - 1 tokens: prompt + response = context ends one short
-            raise ContextBudgetError(
-                f"{keys} = {budget} tokens, but {server.url} serves at most {context - 1} tokens per request (context "
-                f"{context} from {where}, less the one SGLang keeps): "
-                f"lower {keys.replace(' + ', ' or ')}, or serve with a longer context (SGLang: --context-length, "
-                "--max-total-tokens)")
+        require_context_budget(budget, keys, context, server.url, where)
         out[server.url] = context
     return out
 
