@@ -217,20 +217,34 @@ def export_root(workdir: Path, export_dir: str | None) -> Path:
 
 def discard_after(workdir: Path, exports: Path, step: int) -> None:
     """Remove what a killed run wrote for the steps after checkpoint `step` (-1: no checkpoint, all
-    of it): trajectory dumps, weight exports (and exports it left half-written), evaluations.
-    The resumed run trains those steps again and writes them afresh (docs/reliability.md, row 3;
-    the metrics are truncated by `MetricsWriter(keep_through=step)`)."""
+    of it): trajectory dumps, evaluations and exports it left half-written. The resumed run trains
+    those steps again and writes them afresh (docs/reliability.md, row 3; the metrics are truncated
+    by `MetricsWriter(keep_through=step)`).
+
+    Complete weight exports of later steps are kept: external servers that outlived the killed
+    trainer still serve the newest of them, and the first sync after the resume reads it back to
+    check the new export against it (`rollout.weight_sync.check_export`). That sync removes them
+    (`train_steps.sync.remove_other_exports`) once every server has the resumed run's weights."""
     removed = [p.name for p in dumps.discard_after(workdir, step)]
+    kept = []
     for root in (exports, workdir / "eval"):
         for d in sorted(root.iterdir()) if root.is_dir() else []:
             m = re.fullmatch(r"step_(\d+)", d.name)
-            # .step_N.partial / .replaced: an export killed inside `atomic_dir.commit_dir`'s write or swap
-            if (m and int(m.group(1)) > step) or (root == exports and d.name.startswith(".step_")):
+            if root == exports and d.name.startswith(".step_"):  # killed inside `atomic_dir.commit_dir`'s write or swap
                 shutil.rmtree(d)
                 removed.append(f"{root.name}/{d.name}")
+            elif m and int(m.group(1)) > step:
+                if root == exports:
+                    kept.append(d.name)
+                else:
+                    shutil.rmtree(d)
+                    removed.append(f"{root.name}/{d.name}")
     if removed:
         log.info("resume after step %d: removed what the killed run wrote for later steps: %s", step,
                  ", ".join(removed))
+    if kept:
+        log.info("resume after step %d: kept the killed run's exports %s until the first sync replaces them "
+                 "(servers that kept running may serve them)", step, ", ".join(kept))
 
 
 def make_mesh(config: RunConfig) -> Mesh:

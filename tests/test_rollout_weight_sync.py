@@ -60,13 +60,14 @@ def test_probe_gap_fails_loudly_naming_server(two_servers):
 
 def test_bad_checkpoint_path_is_an_error(two_servers, tmp_path):
     """Caught by the export check, before any server is asked to load it (real SGLang may die on a
-    bad directory); both servers keep their version and leave the rotation."""
+    bad directory); both servers keep their version and, since nothing was sent to them, stay in
+    the rotation (issue 27 row 4: they used to leave it until a good sync)."""
     client = SGLangClient([h.url for h in two_servers], retries=0)
     before = [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers]
     with pytest.raises(WeightSyncError, match=r"missing cannot be read as a Hugging Face model directory.*config\.json not found"):
         asyncio.run(sync_weights(client, tmp_path / "missing", "step-9"))
     assert [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers] == before != ["step-9"] * 2
-    assert set(client.out_of_rotation) == {h.url for h in two_servers}
+    assert client.out_of_rotation == {}
 
 
 def test_bf16_export_is_the_rounded_hf_tensors_and_loads_in_transformers_with_the_learners_logits(tmp_path):
@@ -112,3 +113,33 @@ def test_export_dtype_narrower_than_the_served_dtype_is_refused(two_servers, tmp
     with pytest.raises(WeightSyncError, match=r"stored in \['bfloat16'\] but http://127\.0\.0\.1:\d+ serves in dtype 'float32'"):
         asyncio.run(export_and_sync(model, tmp_path / "bf16", client, "step-10", dtype="bfloat16"))
     assert [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers] == before
+
+
+def test_a_resumed_run_syncs_to_servers_that_kept_serving_a_discarded_step(two_servers, tmp_path):
+    """Issue 27 row 1: servers that outlived a killed trainer still serve its step-7 export; the
+    run resumes from checkpoint 5, and its first sync (step 5 again) must check its export against
+    the served one and load it. After that sync the killed run's exports go."""
+    from cleaner_jax.session import discard_after
+    from cleaner_jax.train_steps.sync import remove_other_exports
+
+    exports = tmp_path / "sync"
+    client = SGLangClient([h.url for h in two_servers], retries=0)
+    model = params.from_pretrained(checkpoint(1))
+    kw = dict(tokenizer_from=checkpoint(1), probe_ids=PROBE, probe_start=2, learner_logprobs=learner(1),
+              max_mean_abs_gap=1e-4)
+
+    async def go():
+        try:
+            await export_and_sync(model, exports / "step_000007", client, "step-7", **kw)
+            discard_after(tmp_path, exports, 5)  # what train.py does on resume
+            return await export_and_sync(model, exports / "step_000005", client, "step-5", **kw)
+        finally:
+            await client.close()
+
+    report = asyncio.run(go())
+    assert max(report.probe_gap.values()) < 1e-4
+    assert [call(h.url, "GET", "/model_info")[1]["weight_version"] for h in two_servers] == ["step-5"] * 2
+    assert sorted(p.name for p in exports.iterdir()) == ["step_000005", "step_000007"]
+    removed = remove_other_exports(exports, exports / "step_000005")
+    assert [p.name for p in removed] == ["step_000007"]
+    assert sorted(p.name for p in exports.iterdir()) == ["step_000005"]

@@ -279,7 +279,9 @@ async def sync_weights(
 
     Each target is out of the client's rotation from the start of the sync until it passed;
     after a failure the failed server and those not yet updated stay out (with the reason), so
-    no rollout runs on weights the sync did not verify. `learner_logprobs` gets (probe_ids,
+    no rollout runs on weights the sync did not verify. An export refused by its check, before
+    any server was sent anything, leaves the rotation as it was: every server still serves the
+    weights it was verified on. `learner_logprobs` gets (probe_ids,
     probe_start) and returns the learner's untempered log-probs of probe_ids[probe_start:]
     (computed once, sync or async). Without a probe, only the version and the flush are checked.
     Pick the threshold for the dtypes involved (~1e-4 for f32 on both sides; bf16 needs ~1e-2).
@@ -292,6 +294,7 @@ async def sync_weights(
         raise ValueError("sync_weights: urls is empty")
     if probe_ids is not None and learner_logprobs is None:
         raise ValueError("probe_ids given without learner_logprobs to compare against")
+    before = client.out_of_rotation  # the reasons servers were out already, to put back if nothing is sent
     for url in targets:
         client.take_out_of_rotation(url, f"not yet verified on weights {weight_version!r}")
     phases = dict(timings or {})
@@ -301,9 +304,14 @@ async def sync_weights(
             await check_export(client, path, targets)
         except (RolloutServerError, RolloutRequestError) as exc:
             raise WeightSyncError(f"could not read what the servers serve to check the export {path}: {exc}") from exc
-    except WeightSyncError as exc:
+    except WeightSyncError:
+        # refused before any server was sent anything: each still serves the weights it was verified
+        # on, so the rotation is as it was before this sync
         for url in targets:
-            client.take_out_of_rotation(url, f"the export for {weight_version!r} failed its check: {exc}")
+            if url in before:
+                client.take_out_of_rotation(url, before[url])
+            else:
+                client.put_in_rotation(url)
         raise
     phases["check_s"] = time.perf_counter() - t
     phases["load_s"] = phases["probe_s"] = 0.0

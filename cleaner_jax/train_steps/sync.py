@@ -92,8 +92,7 @@ class WeightSync:
             return None
         log.info("weight sync step-%d: %s (export dtype %s)", step,
                  ", ".join(f"{k} {v:.3f}" for k, v in report.phases.items()), dtype)
-        for old in sorted(root.glob("step_*"))[:-1]:  # servers only need the newest
-            shutil.rmtree(old, ignore_errors=False)
+        remove_other_exports(root, path)
         return report
 
     def learner_logprobs(self, ids: list[int], start: int) -> list[float]:
@@ -103,6 +102,17 @@ class WeightSync:
         arr[:] = ids
         lp = self.learner.logprobs(arr, np.ones_like(arr), temperature=1.0)
         return lp[0, start:].tolist()
+
+
+def remove_other_exports(root: Path, synced: Path) -> list[Path]:
+    """After a good sync every server serves `synced`: remove the other exports under `root`. Not
+    "all but the newest by name": after a resume the killed run's later exports are still there
+    (`session.discard_after` keeps them for servers that kept running), and the export just
+    synced is an earlier step."""
+    removed = [old for old in sorted(root.glob("step_*")) if old.resolve() != synced.resolve()]
+    for old in removed:
+        shutil.rmtree(old)
+    return removed
 
 
 def sync_metrics(report: SyncReport | None) -> dict[str, float]:
