@@ -30,6 +30,7 @@ from ml_collections import config_flags
 
 from cleaner_jax import distributed
 from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, validate
+from cleaner_jax.data.problems import DataError
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
 from cleaner_jax.models import params
@@ -104,7 +105,10 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     use_compilation_cache(c)  # before anything compiles
-    benchmarks = eval_benchmarks(c)
+    try:
+        benchmarks = eval_benchmarks(c)  # a bad benchmark file: one line naming file, row and field
+    except DataError as err:
+        raise SystemExit(f"error: {err}") from None
     if not benchmarks:
         raise app.UsageError("config.data.eval names no benchmark")
     out = Path(f.out).resolve() if f.out else workdir / "eval" / "final"

@@ -24,6 +24,7 @@ instrument, the same for every seed. The per-step work is `train_steps.StepLoop`
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -35,13 +36,15 @@ from ml_collections import config_flags
 from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError
 from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, check_processes, validate
+from cleaner_jax.data.problems import DataError
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.checkpointing import remove_unfinished_saves
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter
+from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
-from cleaner_jax.rollout.weight_sync import ContextBudgetError
+from cleaner_jax.rollout.weight_sync import ContextBudgetError, check_context_budget, require_context_budget
 from cleaner_jax.session import (Session, apply_xla_memory, discard_after, export_root, log_to_file, make_mesh,
                                   prepare_model_dir, use_compilation_cache)
 from cleaner_jax.toy import warm_cache
@@ -51,7 +54,7 @@ from cleaner_jax.viz.run_plots import plot_run, run_summary
 from cleaner_jax.wiring import eval_benchmarks, learner_config, training_problems
 
 log = logging.getLogger("cleaner_jax.train")
-
+BUDGET_KEYS = "agent.max_prompt_tokens + agent.max_response_tokens"
 
 
 def data_seed(c: RunConfig) -> int:
@@ -62,6 +65,28 @@ def data_seed(c: RunConfig) -> int:
 def log_name(process: int) -> str:
     """The log file of learner process `process` in the (shared) workdir: train.log for process 0."""
     return "train.log" if process == 0 else f"train.process_{process}.log"
+
+
+def check_served_context(c: RunConfig, model_dir: Path, session: Session) -> None:
+    """The agent's token budget against the context the rollout servers will serve, before the
+    model is built and the warm start runs (a budget that does not fit would otherwise stop the run
+    only after them). The embedded server serves `model_dir`'s `max_position_embeddings` (the warm
+    start keeps the architecture); external servers are asked (`check_context_budget`).
+    `Session.start_rollout` checks again against the servers actually started."""
+    budget = c.agent.max_prompt_tokens + c.agent.max_response_tokens
+    if c.rollout.backend == "embedded":
+        config_file = model_dir / "config.json"
+        context = int(json.loads(config_file.read_text())["max_position_embeddings"])
+        require_context_budget(budget, BUDGET_KEYS, context, "the embedded rollout server",
+                               f"max_position_embeddings in {config_file}")
+        return
+    ro = c.rollout
+    urls = [u.strip() for u in ro.server_urls.split(",") if u.strip()]
+    client = SGLangClient(urls, timeout_s=ro.request_timeout_s, connect_timeout_s=ro.connect_timeout_s)
+    try:
+        session.run(check_context_budget(client, budget, BUDGET_KEYS))
+    finally:
+        session.run(client.close())
 
 
 
@@ -86,6 +111,10 @@ class Trainer:
             distributed.barrier("train: the initial model")
             model_dir = prepare_model_dir(c, wd)
             session = stack.enter_context(Session(c, model_dir))
+            # every check of input files and of the fleet before the first expensive step (docs/reliability.md)
+            problems = training_problems(c, prompt_len=lambda messages: len(session.chat.prompt_ids(messages)))
+            benchmarks = eval_benchmarks(c)
+            check_served_context(c, model_dir, session)
             mesh = make_mesh(c)
             if c.warmup_sft.steps > 0:
                 warm_dir = wd / "warm_start_model"
@@ -127,9 +156,7 @@ class Trainer:
             distributed.barrier("train: discarded what a killed run wrote")
             if start > 0:  # the server still serves the initial weights
                 step_loop.sync(start)
-            problems = training_problems(c, prompt_len=lambda messages: len(session.chat.prompt_ids(messages)))
             sampler = ProblemSampler(problems, data_seed(c), position=int(state.get("data_position", 0)))
-            benchmarks = eval_benchmarks(c)
             if c.train.eval_before_train and start == 0 and benchmarks:
                 step_loop.on_main("train: evaluation before training",
                                   lambda: step_loop.evaluate_before_training(benchmarks))
@@ -176,7 +203,7 @@ def main(argv: list[str]) -> None:
     try:
         Trainer(r, workdir).run()
     except (NonFiniteTrainingError, WeightSyncFailedError, ContextBudgetError, RolloutUnavailableError,
-            LostEpisodesError, ConfigError) as err:  # say why the run stopped
+            LostEpisodesError, ConfigError, DataError) as err:  # say why the run stopped
         raise SystemExit(f"error: {err}") from err
 
 
