@@ -55,6 +55,8 @@ sp.N(sp.pi, 30); sp.Rational(1, 3) + sp.sqrt(2); sp.isprime(97); sp.factorint(36
 sp.Matrix([[1, 2], [3, 4]]).inv(); sp.binomial(10, 3); sp.nsimplify(0.5); sp.latex(x**2)
 np.linalg.solve(np.eye(3), np.ones(3)); np.sort(np.random.default_rng(0).random(10))
 """
+ROOT_PREFIX = "cleaner_sandbox_"  # the pool's temp root: <tmp>/cleaner_sandbox_XXXX
+OWNER_FILE = ".owner"  # in the root: "<pid> <start time>" of the process whose pool it is
 _SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
              "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
              "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -210,7 +212,16 @@ class Sandbox:
         self.retried_calls = 0  # calls re-run after an infra failure
         self.infra_results = 0  # calls that came back "infra" after their retries
         self._taken = {"retried_calls": 0, "infra_results": 0, "replaced_workers": 0}  # at the last take_counters()
-        self.root_dir = tempfile.mkdtemp(prefix="cleaner_sandbox_")
+        # a killed process never reached close(): its root (and the work dirs below it) stays
+        swept = sweep_stale_roots(tempfile.gettempdir())
+        if swept:
+            log.info("removed %d sandbox temp root(s) of processes that died without closing them: %s", len(swept),
+                     ", ".join(swept))
+        self.root_dir = tempfile.mkdtemp(prefix=ROOT_PREFIX)
+        owner = os.path.join(self.root_dir, OWNER_FILE)
+        with open(owner + ".tmp", "w") as f:  # renamed into place: a sweep reads all of it or nothing
+            f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        os.replace(owner + ".tmp", owner)
         os.chmod(self.root_dir, 0o711)  # (used only without a mount namespace) the code's uid
         # may traverse into its own 0700 work dir, nothing else
         self._base_config = dict(
@@ -402,6 +413,52 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), which with
+    the pid names one process: a pid the kernel gave to another process has another start time.
+    None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except OSError:
+        return None
+
+
+def sweep_stale_roots(tmp_dir: str) -> list[str]:
+    """Remove the temp roots under `tmp_dir` of this user's pools whose owning process is gone (a
+    trainer killed before `close()`); returns the paths removed. A root is only removed when its
+    owner file names a pid that is not alive, or alive with another start time (the pid reused);
+    a root without an owner file (being created, or not a pool's) and another user's are kept,
+    so a live run's root is never touched."""
+    removed = []
+    for name in sorted(os.listdir(tmp_dir)):
+        root = os.path.join(tmp_dir, name)
+        if not name.startswith(ROOT_PREFIX):
+            continue
+        try:
+            if os.lstat(root).st_uid != os.geteuid():
+                continue
+            with open(os.path.join(root, OWNER_FILE)) as f:
+                pid_text, started_text = f.read().split()
+            pid, started = int(pid_text), None if started_text == "None" else int(started_text)
+        except (FileNotFoundError, NotADirectoryError):  # not a pool's root, or removed meanwhile
+            continue
+        except ValueError:
+            log.warning("kept %s: its %s is not '<pid> <start time>'", root, OWNER_FILE)
+            continue
+        if _alive(pid) and _start_time(pid) == started:
+            continue
+        try:
+            shutil.rmtree(root)
+        except FileNotFoundError:  # another pool starting at the same time removed it
+            continue
+        except OSError as e:
+            log.warning("could not remove the stale sandbox temp root %s (pid %d is gone): %s", root, pid, e)
+            continue
+        removed.append(root)
+    return removed
 
 
 def _children(pid: int) -> list[int]:
