@@ -39,7 +39,7 @@ from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, chec
 from cleaner_jax.data.problems import DataError
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.models import params, sharding
-from cleaner_jax.rl.checkpointing import remove_unfinished_saves
+from cleaner_jax.rl.checkpointing import CheckpointDiskFullError, QuietDiskFull, remove_unfinished_saves
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter
 from cleaner_jax.rollout.client import SGLangClient
@@ -170,6 +170,14 @@ class Trainer:
 
 
 
+def quiet_disk_full_on_console() -> None:
+    """A full disk during a checkpoint is said once, as the run's `error:` line: Orbax's threads
+    each log it with a traceback, which go to the log file only (`QuietDiskFull`)."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):  # the console's (`session.log_to_file`)
+            handler.addFilter(QuietDiskFull())
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -193,6 +201,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: {err}") from None
     if jax.process_index() != process:
         log_to_file(workdir / log_name(jax.process_index()))
+    quiet_disk_full_on_console()
     try:
         check_processes(r, jax.process_count())  # auto mode: the count is known now
     except ConfigError as err:
@@ -203,7 +212,7 @@ def main(argv: list[str]) -> None:
     try:
         Trainer(r, workdir).run()
     except (NonFiniteTrainingError, WeightSyncFailedError, ContextBudgetError, RolloutUnavailableError,
-            LostEpisodesError, ConfigError, DataError) as err:  # say why the run stopped
+            LostEpisodesError, ConfigError, DataError, CheckpointDiskFullError) as err:  # say why the run stopped
         raise SystemExit(f"error: {err}") from err
 
 
