@@ -154,7 +154,10 @@ class Trainer:
             if main:
                 discard_after(wd, export_root(wd, c.train.weight_export_dir), keep)
             distributed.barrier("train: discarded what a killed run wrote")
-            if start > 0:  # the server still serves the initial weights
+            # a resume loads the restored weights first: a restarted embedded server serves the initial
+            # weights, external servers that outlived the killed trainer a later export (kept for this
+            # sync's check by discard_after, removed once it passed)
+            if start > 0:
                 step_loop.sync(start)
             sampler = ProblemSampler(problems, data_seed(c), position=int(state.get("data_position", 0)))
             if c.train.eval_before_train and start == 0 and benchmarks:
