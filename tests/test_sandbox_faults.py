@@ -39,7 +39,7 @@ from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.tools import _outcome
 from cleaner_jax.tools._mounts import python_paths, under_tmp
-from cleaner_jax.tools.sandbox import Sandbox
+from cleaner_jax.tools.sandbox import OWNER_FILE, Sandbox
 from cleaner_jax.toy.checkpoint import build_tokenizer
 
 LIGHT = {"preload": (), "warmup": ""}  # no numpy/sympy: a worker starts in ~0.1 s
@@ -174,7 +174,7 @@ def _assert_pool_clean(sb: Sandbox, seen: set[tuple[int, float]], workers: int) 
                                  f"zombies {zombies}")
         time.sleep(0.05)
     assert sb.pool_size == workers
-    for d in Path(sb.root_dir).iterdir():  # host work dirs exist only without a mount namespace
+    for d in (d for d in Path(sb.root_dir).iterdir() if d.name != OWNER_FILE):  # host work dirs exist only without a mount namespace
         assert list(d.iterdir()) == [], f"work dir {d} not emptied"
     if sb.isolation["mount_namespace"]:
         kept = sorted({p.split("/")[2] for p in under_tmp(python_paths())})  # read-only binds
