@@ -215,6 +215,11 @@ def export_root(workdir: Path, export_dir: str | None) -> Path:
     return Path(export_dir).resolve() / f"cleaner_jax-{workdir.name}-{tag}"
 
 
+def server_urls(config: RunConfig) -> list[str]:
+    """The external servers of `rollout.server_urls` (comma-separated), in order."""
+    return [u.strip() for u in config.rollout.server_urls.split(",") if u.strip()]
+
+
 def discard_after(workdir: Path, exports: Path, step: int) -> None:
     """Remove what a killed run wrote for the steps after checkpoint `step` (-1: no checkpoint, all
     of it): trajectory dumps, evaluations and exports it left half-written. The resumed run trains
@@ -283,8 +288,7 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
     opts = dict(timeout_s=ro.request_timeout_s, read_timeout_per_token_s=ro.read_timeout_per_token_s,
                 connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size)
     if ro.backend == "sglang":
-        urls = [u.strip() for u in ro.server_urls.split(",") if u.strip()]
-        yield RolloutFleet(SGLangClient(urls, **opts), server_wait_s=ro.server_wait_s)
+        yield RolloutFleet(SGLangClient(server_urls(config), **opts), server_wait_s=ro.server_wait_s)
         return
     if not distributed.is_main():
         url = distributed.broadcast_text(None)

@@ -46,7 +46,7 @@ from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.rollout.weight_sync import ContextBudgetError, check_context_budget, require_context_budget
 from cleaner_jax.session import (Session, apply_xla_memory, discard_after, export_root, log_to_file, make_mesh,
-                                  prepare_model_dir, use_compilation_cache)
+                                  prepare_model_dir, server_urls, use_compilation_cache)
 from cleaner_jax.toy import warm_cache
 from cleaner_jax.toy.warm_start import warm_start
 from cleaner_jax.train_steps import NonFiniteTrainingError, StepLoop, WeightSyncFailedError
@@ -81,8 +81,7 @@ def check_served_context(c: RunConfig, model_dir: Path, session: Session) -> Non
                                f"max_position_embeddings in {config_file}")
         return
     ro = c.rollout
-    urls = [u.strip() for u in ro.server_urls.split(",") if u.strip()]
-    client = SGLangClient(urls, timeout_s=ro.request_timeout_s, connect_timeout_s=ro.connect_timeout_s)
+    client = SGLangClient(server_urls(c), timeout_s=ro.request_timeout_s, connect_timeout_s=ro.connect_timeout_s)
     try:
         session.run(check_context_budget(client, budget, BUDGET_KEYS))
     finally:
