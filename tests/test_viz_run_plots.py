@@ -5,6 +5,7 @@ import math
 
 import matplotlib.image as mpimg
 import numpy as np
+import pytest
 
 from cleaner_jax.rl.metrics_writer import MetricsWriter
 from cleaner_jax.viz.plots import load_scalars
@@ -81,3 +82,79 @@ def test_a_run_and_a_study_draw_their_curves_alike(tmp_path, monkeypatch):
     assert (run_bands, study_bands) == (0, 1)  # the study's ± one std band
     for has_legend, locator, grid in (run_rest, study_rest):
         assert has_legend and grid and locator.tick_values(0.0, 3.0).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _plotted(monkeypatch):
+    """{png name: {legend label: (x data, y data)}} of what plot_run draws."""
+    from cleaner_jax.viz import figure
+    drawn = {}
+    save = figure.save
+
+    def keep(fig, ax, path, **kw):
+        drawn[path.name] = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+        return save(fig, ax, path, **kw)
+
+    monkeypatch.setattr(figure, "save", keep)
+    return drawn
+
+
+def test_the_spliced_gap_is_left_out_where_no_token_was_spliced(tmp_path, monkeypatch):
+    """Step 2 spliced nothing: its spliced gap is 0/0, which the learner writes as 0.0; the plot
+    must leave a gap there (NaN), not draw a perfect match."""
+    rows = {1: {"learner/gap/abs_diff": 0.01, "learner/gap/spliced/abs_diff": 0.05, "splice/token_frac": 0.2},
+            2: {"learner/gap/abs_diff": 0.02, "learner/gap/spliced/abs_diff": 0.0, "splice/token_frac": 0.0},
+            3: {"learner/gap/abs_diff": 0.03, "learner/gap/spliced/abs_diff": 0.08, "splice/token_frac": 0.1}}
+    with MetricsWriter(tmp_path / "tb") as w:
+        for step, row in rows.items():
+            w.write(step, row)
+    drawn = _plotted(monkeypatch)
+    plot_run(tmp_path)
+    lines = drawn["logprob_gap.png"]
+    xs, ys = lines["spliced: learner/gap/spliced/abs_diff"]
+    assert xs == [1, 2, 3] and ys[0] == 0.05 and math.isnan(ys[1]) and ys[2] == 0.08
+    assert lines["not spliced: learner/gap/abs_diff"] == ([1, 2, 3], [0.01, 0.02, 0.03])  # every step has those
+
+
+def test_a_run_that_never_spliced_draws_no_spliced_gap(tmp_path, monkeypatch):
+    with MetricsWriter(tmp_path / "tb") as w:
+        for step in (1, 2):
+            w.write(step, {"learner/gap/abs_diff": 0.01, "learner/gap/spliced/abs_diff": 0.0, "splice/token_frac": 0.0})
+    drawn = _plotted(monkeypatch)
+    plot_run(tmp_path)
+    assert list(drawn["logprob_gap.png"]) == ["not spliced: learner/gap/abs_diff"]
+
+
+def test_a_studys_accuracy_band_stays_inside_0_1(tmp_path, monkeypatch):
+    """Three seeds near the top and near the bottom of an accuracy: mean ± std runs past [0, 1]
+    (1.0244 at step 1, −0.0244 at step 2); the drawn band stops at the bounds, the mean is untouched."""
+    from cleaner_jax.study import plots as study_plots
+    from cleaner_jax.viz import figure
+
+    bands = {}
+    save = figure.save
+
+    def keep(fig, ax, path, **kw):
+        (poly,) = ax.collections
+        bands[path.name] = (poly.get_paths()[0].vertices, list(ax.get_lines()[0].get_ydata()))
+        return save(fig, ax, path, **kw)
+
+    monkeypatch.setattr(figure, "save", keep)
+    seeds = [([1, 2], [0.9, 0.0]), ([1, 2], [1.0, 0.1]), ([1, 2], [1.0, 0.0])]
+    std = math.sqrt((2 * (0.1 / 3) ** 2 + (0.2 / 3) ** 2) / 2)  # ddof=1 of {0.9, 1, 1} and of {0, 0.1, 0}
+    assert 0.9667 + std > 1.0 and 0.0333 - std < 0.0  # the unclipped band would leave [0, 1]
+    assert study_plots.plot_metric(tmp_path / "train_accuracy.png", "train_accuracy", "acc", {"a": seeds})
+    vertices, mean = bands["train_accuracy.png"]
+    assert vertices[:, 1].min() == 0.0 and vertices[:, 1].max() == 1.0
+    np.testing.assert_allclose(mean, [2.9 / 3, 0.1 / 3])
+    lo, hi = study_plots.band_limits(np.asarray(mean), np.full(2, std), study_plots.RANGES["train_accuracy"])
+    np.testing.assert_allclose(lo, [2.9 / 3 - std, 0.0])
+    np.testing.assert_allclose(hi, [1.0, 0.1 / 3 + std])
+    # a metric with no range is drawn as mean ± std (a reward can be negative)
+    assert study_plots.plot_metric(tmp_path / "reward.png", "reward", "r", {"a": seeds})
+    assert bands["reward.png"][0][:, 1].max() == pytest.approx(2.9 / 3 + std)
+
+
+def test_every_study_curve_has_a_range():
+    from cleaner_jax.study import aggregate
+    from cleaner_jax.study import plots as study_plots
+    assert set(aggregate.TRAIN_SERIES) | {"heldout_accuracy"} == set(study_plots.RANGES)

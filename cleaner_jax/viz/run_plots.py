@@ -19,7 +19,9 @@ log = logging.getLogger("cleaner_jax.viz.run_plots")
 
 # file name -> (title, y label, [(scalar, legend label, transform)]); transform "error_rate":
 # 1 − the success rate, left out (NaN) at steps without any tool call, where the rate is 0/0
-# (saar.metrics writes 0 there, which is not a 100 % error rate).
+# (saar.metrics writes 0 there, which is not a 100 % error rate); transform "spliced": left out
+# (NaN) at steps without a spliced policy token (`splice/token_frac` 0), where the spliced gap is
+# 0/0 (the learner's reduction writes 0 there, which is not a perfect match).
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
     "reward.png": ("reward (shaped, mean over valid episodes)", "reward", [("reward/mean", "reward/mean", "")]),
     "accuracy.png": ("accuracy (exact match / all tests passed)", "accuracy", [("reward/acc", "reward/acc", "")]),
@@ -33,7 +35,7 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         ("splice/deep/token_frac", "deep", "")]),
     "logprob_gap.png": ("rollout vs learner log-prob gap (sum |Δ| / token)", "mean |log p_learner − log p_rollout|", [
         ("learner/gap/abs_diff", "not spliced: learner/gap/abs_diff", ""),
-        ("learner/gap/spliced/abs_diff", "spliced: learner/gap/spliced/abs_diff", "")]),
+        ("learner/gap/spliced/abs_diff", "spliced: learner/gap/spliced/abs_diff", "spliced")]),
     "zero_adv_groups.png": ("groups with all-zero advantages", "fraction of groups",
                             [("adv/zero_adv_group_frac", "adv/zero_adv_group_frac", "")]),
 }
@@ -68,6 +70,17 @@ def _error_rate(scalars: dict[str, tuple[list[int], list[float]]], steps: list[i
     return [1.0 - v if s in calls and calls[s] > 0 else math.nan for s, v in zip(steps, success)]
 
 
+def _spliced_only(scalars: dict[str, tuple[list[int], list[float]]], steps: list[int], values: list[float]) -> list[float]:
+    if "splice/token_frac" not in scalars:  # written by rl.logprob_gap.splice_metrics; an older run may lack it
+        log.info("splice/token_frac missing: spliced log-prob gap plotted at every step, 0/0 included")
+        return list(values)
+    frac = dict(zip(*scalars["splice/token_frac"]))
+    return [v if s in frac and frac[s] > 0 else math.nan for s, v in zip(steps, values)]
+
+
+_TRANSFORMS = {"": lambda scalars, steps, values: values, "error_rate": _error_rate, "spliced": _spliced_only}
+
+
 def plot_run(workdir: str | Path) -> list[Path]:
     """Draw every plot of `PLOTS` whose scalars the run wrote; returns the files written."""
     workdir = Path(workdir)
@@ -76,14 +89,14 @@ def plot_run(workdir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (title, ylabel, curves) in PLOTS.items():
-        present = [c for c in curves if c[0] in scalars and any(math.isfinite(v) for v in scalars[c[0]][1])]
-        if not present:
-            log.info("plot %s skipped: the run wrote none of %s", name, [c[0] for c in curves])
+        drawn = [(label, scalars[tag][0], _TRANSFORMS[transform](scalars, *scalars[tag]))
+                 for tag, label, transform in curves if tag in scalars]
+        drawn = [c for c in drawn if any(math.isfinite(v) for v in c[2])]
+        if not drawn:
+            log.info("plot %s skipped: the run wrote no finite value of %s", name, [c[0] for c in curves])
             continue
         fig, ax = figure.new(6, 3.5)
-        for tag, label, transform in present:
-            steps, values = scalars[tag]
-            ys = _error_rate(scalars, steps, values) if transform == "error_rate" else values
+        for label, steps, ys in drawn:
             figure.curve(ax, steps, ys, label)
         written.append(figure.save(fig, ax, out_dir / name, title=title, xlabel="step", ylabel=ylabel))
     log.info("wrote %d plots under %s", len(written), out_dir)
