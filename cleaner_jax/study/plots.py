@@ -1,7 +1,11 @@
 """A study's curves: one PNG per metric under `<study>/plots/`, every arm on it, the mean over
 seeds against the RL step with a band of ± one standard deviation (ddof=1) over seeds. A step
 that only some seeds of an arm logged (a metric that is undefined at a step, e.g. the recovery
-rate where SAAR never triggered) averages the seeds that have it."""
+rate where SAAR never triggered) averages the seeds that have it.
+
+The band is clipped to the metric's range (`RANGES`: an accuracy or a rate lies in [0, 1], a
+token count is ≥ 0): mean ± std of a few seeds near a bound runs past it (an accuracy band above
+1.0), which no seed can reach. The mean itself is never clipped (it is inside the range already)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +17,14 @@ import numpy as np
 from cleaner_jax.viz import figure
 
 Curve = tuple[list[int], list[float]]  # steps, values of one run
+
+# the range of each curve `study.__main__.summarize` draws, by its file stem (`<name>.png`); a
+# metric not listed is drawn unclipped
+RANGES: dict[str, tuple[float, float]] = {
+    "heldout_accuracy": (0.0, 1.0), "train_accuracy": (0.0, 1.0), "first_attempt_error_rate": (0.0, 1.0),
+    "saar_recovery_rate": (0.0, 1.0), "zero_adv_group_frac": (0.0, 1.0),
+    "response_tokens": (0.0, math.inf), "response_tokens_raw": (0.0, math.inf),
+}
 
 
 def band(curves: list[Curve]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -26,8 +38,21 @@ def band(curves: list[Curve]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.asarray(steps), np.asarray(means), np.asarray(stds)
 
 
-def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Curve]]) -> bool:
-    """One metric, every arm; returns False (and writes nothing) when no arm has a finite value."""
+def band_limits(mean: np.ndarray, std: np.ndarray, bounds: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) edges of the drawn band: mean ∓ std, clipped to `bounds` (None: unclipped)."""
+    lo, hi = mean - std, mean + std
+    if bounds is None:
+        return lo, hi
+    return np.clip(lo, *bounds), np.clip(hi, *bounds)
+
+
+def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Curve]],
+                bounds: tuple[float, float] | None = None) -> bool:
+    """One metric, every arm; returns False (and writes nothing) when no arm has a finite value.
+    `bounds`: the metric's range, which the band is clipped to (default `RANGES[path.stem]`,
+    unclipped for a metric not there)."""
+    if bounds is None:
+        bounds = RANGES.get(Path(path).stem)
     fig, ax = figure.new()
     drawn = False
     for arm, curves in arms.items():
@@ -35,7 +60,8 @@ def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Cur
         if not np.isfinite(mean).any():
             continue
         line = figure.curve(ax, steps, mean, f"{arm} (n={len(curves)})")
-        ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+        lo, hi = band_limits(mean, std, bounds)
+        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         drawn = True
     if drawn:
         figure.save(fig, ax, path, title=title, xlabel="RL step", ylabel=ylabel)
