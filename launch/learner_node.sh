@@ -19,19 +19,24 @@
 #                       (the three together select distributed.mode=explicit; none of them: one
 #                       learner process, distributed.mode stays as the config says)
 #   --gpus LIST         CUDA_VISIBLE_DEVICES for the learner (e.g. 0,1,2,3); default: unchanged
-#   --mem-fraction F    XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9
+#   --mem-fraction F    the learner's train.xla_mem_fraction (the share of each GPU XLA's pool
+#                       takes: --config.train.xla_mem_fraction=F on the trainer's command line);
+#                       default 0.9 (learner-only GPUs); none: not passed, the config's value
+#                       (JAX's 0.75 when unset; train.xla_allocator=platform needs it unset).
+#                       The XLA_*_MEM_FRACTION variables are not the way: train's main sets them
+#                       from the config and drops or replaces what it finds in the environment
 #   --wait-servers S    seconds to wait for every server's /health before starting; default 600
 #   --python PY         the Python with cleaner_jax installed; default python
 #   --dry-run           print the command instead of running it (no prerequisite checks)
 #
 # WORKDIR must be on a filesystem every learner process sees (Orbax checkpoints are written by
 # all processes together). Anything after `--` is passed to the trainer (e.g.
-# --config.train.steps=5).
+# --config.train.steps=5), after the script's own overrides, so that a key given there wins.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/_common.sh"
 
-usage="usage: $0 [--dry-run] --server-urls URLS --shared-dir DIR [--coordinator HOST:PORT --num-processes N --process-id I] [--gpus LIST] [--mem-fraction F] [--wait-servers S] [--python PY] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]"
+usage="usage: $0 [--dry-run] --server-urls URLS --shared-dir DIR [--coordinator HOST:PORT --num-processes N --process-id I] [--gpus LIST] [--mem-fraction F|none] [--wait-servers S] [--python PY] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]"
 servers=""
 shared=""
 coord=""
@@ -59,6 +64,12 @@ if [[ -n "$coord$nproc$pid_" ]]; then
   dist=(--config.distributed.mode=explicit "--config.distributed.coordinator_address=$coord"
         "--config.distributed.num_processes=$nproc" "--config.distributed.process_id=$pid_")
 fi
+mem_flags=()
+if [[ "$mem" != none ]]; then
+  [[ "$mem" =~ ^(0?\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] \
+    || die "--mem-fraction must be a number in (0, 1] (e.g. 0.9) or none (the config's train.xla_mem_fraction), got '$mem'"
+  mem_flags=("--config.train.xla_mem_fraction=$mem")
+fi
 
 if [[ "$DRY_RUN" != 1 ]]; then
   need_cmd curl "the start-up check polls each rollout server's /health"
@@ -71,11 +82,12 @@ if [[ "$DRY_RUN" != 1 ]]; then
   install_cleanup
 fi
 
-envs=("XLA_PYTHON_CLIENT_MEM_FRACTION=$mem")
-[[ -z "$gpus" ]] || envs=("CUDA_VISIBLE_DEVICES=$gpus" "${envs[@]}")
-run_bg - env "${envs[@]}" "$py" -m cleaner_jax.train --config "$config" --workdir "$workdir" \
+cmd=("$py" -m cleaner_jax.train)
+[[ -z "$gpus" ]] || cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "${cmd[@]}")
+run_bg - "${cmd[@]}" --config "$config" --workdir "$workdir" \
   "--config.model.path=$model" "--config.data.train=$data" \
   --config.rollout.backend=sglang "--config.rollout.server_urls=$servers" \
-  "--config.train.weight_export_dir=$shared" ${dist[@]+"${dist[@]}"} ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
+  "--config.train.weight_export_dir=$shared" ${mem_flags[@]+"${mem_flags[@]}"} ${dist[@]+"${dist[@]}"} \
+  ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
 [[ "$DRY_RUN" == 1 ]] && exit 0
 wait_started

@@ -9,7 +9,9 @@
 # docs/sglang_api.md §3.8). --dry-run prints every command (the servers' and the trainer's).
 # The servers run under launch/sglang_servers.sh in the background; when the trainer ends (or
 # this script is stopped) that script is stopped by its pid, and it stops the servers it
-# started, and only those.
+# started, and only those. The learner's GPUs are its own, so it takes 0.9 of each
+# (--config.train.xla_mem_fraction=0.9: train's main sets XLA's variables from the config, and
+# drops an XLA_PYTHON_CLIENT_MEM_FRACTION it finds in the environment).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/_common.sh"
@@ -26,10 +28,9 @@ learner_gpus=$(seq -s, "$rollout" $((total - 1)))
 servers=("$here/sglang_servers.sh" ${det[@]+"${det[@]}"})
 
 start_trainer() {  # start_trainer URLS: the learner on the GPUs the servers leave
-  run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
-    python -m cleaner_jax.train --config "$config" --workdir "$workdir" \
-    "--config.model.path=$model" "--config.data.train=$data" \
-    --config.rollout.backend=sglang "--config.rollout.server_urls=$1"
+  run_bg - env "CUDA_VISIBLE_DEVICES=$learner_gpus" python -m cleaner_jax.train --config "$config" \
+    --workdir "$workdir" "--config.model.path=$model" "--config.data.train=$data" \
+    --config.rollout.backend=sglang "--config.rollout.server_urls=$1" --config.train.xla_mem_fraction=0.9
 }
 
 if [[ "$DRY_RUN" == 1 ]]; then

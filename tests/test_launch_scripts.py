@@ -101,20 +101,82 @@ def test_learner_node_dry_run_joins_the_distributed_run():
               "--", "--config.train.steps=5")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "+ env CUDA_VISIBLE_DEVICES=0,1,2,3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train "
+        "+ env CUDA_VISIBLE_DEVICES=0,1,2,3 python -m cleaner_jax.train "
         "--config configs/c.py --workdir runs/x --config.model.path=/models/Q --config.data.train=/data/d.parquet "
         "--config.rollout.backend=sglang --config.rollout.server_urls=http://10.0.0.1:30000,http://10.0.0.2:30000 "
-        "--config.train.weight_export_dir=/mnt/shared/sync --config.distributed.mode=explicit "
+        "--config.train.weight_export_dir=/mnt/shared/sync --config.train.xla_mem_fraction=0.9 "
+        "--config.distributed.mode=explicit "
         "--config.distributed.coordinator_address=10.0.1.1:1234 --config.distributed.num_processes=2 "
         "--config.distributed.process_id=1 --config.train.steps=5",
     ]
     single = run("learner_node.sh", "--dry-run", "--server-urls", "http://h:1", "--shared-dir", "/s", "c", "m", "d", "w")
     assert single.returncode == 0, single.stderr
     assert single.stdout.splitlines() == [
-        "+ env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train --config c --workdir w "
+        "+ python -m cleaner_jax.train --config c --workdir w "
         "--config.model.path=m --config.data.train=d --config.rollout.backend=sglang "
-        "--config.rollout.server_urls=http://h:1 --config.train.weight_export_dir=/s",
+        "--config.rollout.server_urls=http://h:1 --config.train.weight_export_dir=/s "
+        "--config.train.xla_mem_fraction=0.9",
     ]
+
+
+def _trainer_config(line: str):
+    """The run config the trainer builds from a dry-run line (the paper's configs/qwen3_4b_cleaner.py
+    in place of its --config): absl's config flags parse the overrides as train's main does, then
+    the schema validates them."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from cleaner_jax.config import validate
+
+    argv = shlex.split(line[2:])
+    argv = ["train", *argv[argv.index("cleaner_jax.train") + 1:]]
+    argv[argv.index("--config") + 1] = str(ROOT / "configs" / "qwen3_4b_cleaner.py")
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "", flag_values=fv)
+    fv(argv)
+    return validate(fv.config)
+
+
+def test_the_mem_fraction_reaches_the_trainer_as_its_config_key(tmp_path):
+    """--mem-fraction is train.xla_mem_fraction in the run config the trainer validates (an
+    XLA_PYTHON_CLIENT_MEM_FRACTION in the environment is dropped by session.apply_xla_memory, so
+    the scripts used to run the learner at JAX's 0.75); a key after `--` wins; `none` leaves the
+    config's value."""
+    data = tmp_path / "train.parquet"
+    data.touch()
+    paths = [str(tmp_path), str(data)]  # the schema checks that the model directory and the data exist
+    base = ["--dry-run", "--server-urls", "http://h:1", "--shared-dir", str(tmp_path), "c", *paths, "w"]
+    for args, expected in [([], 0.9), (["--mem-fraction", "0.55"], 0.55), (["--mem-fraction", "none"], None),
+                           (["--mem-fraction", "0.55", "--", "--config.train.xla_mem_fraction=0.7"], 0.7)]:
+        out = run("learner_node.sh", *base, *args)
+        assert out.returncode == 0, out.stderr
+        assert _trainer_config(out.stdout.splitlines()[0]).train.xla_mem_fraction == expected, args
+    single = run("train_single_node.sh", "--dry-run", "c", *paths, "w", "1", "2")
+    assert single.returncode == 0, single.stderr
+    assert _trainer_config(single.stdout.splitlines()[-1]).train.xla_mem_fraction == 0.9
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "0.9x", "-0.5"])
+def test_a_bad_mem_fraction_is_named(value):
+    out = run("learner_node.sh", "--dry-run", "--server-urls", "http://h:1", "--shared-dir", "/s",
+              "--mem-fraction", value, "c", "m", "d", "w")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"--mem-fraction must be a number in (0, 1] (e.g. 0.9) or none (the config's train.xla_mem_fraction), " \
+           f"got '{value}'" in out.stderr
+
+
+def test_no_launch_script_sets_the_xla_memory_variables():
+    """train's main sets them from the config and drops or replaces what it finds in the
+    environment (session.apply_xla_memory), so a script that sets one has no effect: it must
+    pass the config key instead."""
+    from cleaner_jax import session
+
+    for script in SCRIPTS:
+        code = "\n".join(line for line in script.read_text().splitlines() if not line.lstrip().startswith("#"))
+        for name in [session.DEPRECATED_MEM_FRACTION, *session.XLA_MEMORY_ENV]:
+            assert f"{name}=" not in code, (f"{script.name} sets {name}, which train's main ignores: pass "
+                                            f"--config.{session.XLA_MEMORY_ENV.get(name, 'train.xla_mem_fraction')}")
 
 
 def test_the_learner_overrides_are_keys_of_the_config_schema():
@@ -127,7 +189,7 @@ def test_the_learner_overrides_are_keys_of_the_config_schema():
               "--coordinator", "h:1", "--num-processes", "2", "--process-id", "0", "c", "m", "d", "w")
     argv = shlex.split(out.stdout.splitlines()[0][2:])
     overrides = [a for a in argv if a.startswith("--config.")]
-    assert len(overrides) == 9, overrides
+    assert len(overrides) == 10, overrides
     check_override_keys(overrides)
     with pytest.raises(ConfigError, match="config.distributed.process_rank: unknown key"):
         check_override_keys(["--config.distributed.process_rank=0"])
@@ -141,9 +203,9 @@ def test_train_single_node_dry_run_prints_the_servers_and_the_trainer():
         "+ env CUDA_VISIBLE_DEVICES=0 python -m sglang.launch_server --model-path /models/Q --host 127.0.0.1 "
         "--port 30000 --tp 1 --dtype float16 --mem-fraction-static 0.6 --skip-tokenizer-init "
         "--enable-deterministic-inference >logs/sglang-0.log 2>&1",
-        "+ env CUDA_VISIBLE_DEVICES=1,2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m cleaner_jax.train --config cfg.py "
+        "+ env CUDA_VISIBLE_DEVICES=1,2 python -m cleaner_jax.train --config cfg.py "
         "--workdir runs/x --config.model.path=/models/Q --config.data.train=/d.parquet --config.rollout.backend=sglang "
-        "--config.rollout.server_urls=http://127.0.0.1:30000",
+        "--config.rollout.server_urls=http://127.0.0.1:30000 --config.train.xla_mem_fraction=0.9",
     ]
 
 
