@@ -27,7 +27,9 @@ the time it needs and a short one fails fast. Waiting for a free connection of t
 
 Keep-alive: an idle pooled connection is dropped after `keepalive_s` (default `KEEPALIVE_S`,
 4 s), shorter than the server's own idle timeout (uvicorn's 5 s under SGLang), so the client
-never reuses a connection the server has already closed (that fails as ServerDisconnectedError).
+never reuses a connection the server has already closed (that fails as ServerDisconnectedError:
+the trainer's loop does not run between steps, so the pool does not see the server's close when it
+happens). docs/sglang_api.md §5.3 says more; tests/test_client_keepalive.py shows the failure.
 """
 from __future__ import annotations
 
