@@ -28,6 +28,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,22 @@ class DumpedEpisode:
     line: dict[str, Any]
 
 
+class DumpReadError(ValueError):
+    """A dump file that cannot be read (truncated, not gzip, not JSON lines, another format);
+    `path` names it. The viewer lists such a file with its error and shows the other steps."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"{path}: {problem}")
+
+
+# what a torn or foreign file raises while it is read: EOFError (truncated gzip), gzip.BadGzipFile
+# (an OSError: not gzip), zlib.error (corrupt deflate data), UnicodeDecodeError, json's ValueError
+_READ_ERRORS = (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError)
+_WHAT_TO_DO = ("move it aside or delete it (a trainer killed mid-write, a full disk or a partial copy can leave such "
+               "a file; a resumed run writes the step again)")
+
+
 def list_steps(workdir: str | Path) -> list[int]:
     """Steps with a dump under `<workdir>/trajectories/` (either format), ascending."""
     d = Path(workdir) / "trajectories"
@@ -228,12 +245,21 @@ def read_lines(workdir: str | Path, step: int) -> list[dict[str, Any]] | None:
             return None
         raise FileNotFoundError(f"no dump of step {step} under {path.parent} (have steps {list_steps(workdir)})")
     out = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line_no, text in enumerate(f, 1):
-            d = json.loads(text)
-            if d.get("format") != FORMAT:
-                raise ValueError(f"{path}:{line_no}: dump format {d.get('format')!r}, this reader reads {FORMAT}")
-            out.append(d)
+    line_no = 0
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for line_no, text in enumerate(f, 1):
+                d = json.loads(text)
+                if not isinstance(d, dict) or d.get("format") != FORMAT:
+                    got = d.get("format") if isinstance(d, dict) else type(d).__name__
+                    raise DumpReadError(path, f"line {line_no}: dump format {got!r}, this reader reads {FORMAT} "
+                                              "(viz/dumps.py); write it again with this version's trainer")
+                out.append(d)
+    except DumpReadError:
+        raise
+    except _READ_ERRORS as err:
+        where = f"line {line_no}" if isinstance(err, json.JSONDecodeError) else f"after {line_no} complete lines"
+        raise DumpReadError(path, f"unreadable dump ({where}: {type(err).__name__}: {err}); {_WHAT_TO_DO}") from err
     return out
 
 
