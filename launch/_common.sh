@@ -46,7 +46,9 @@ quote_cmd() {
 #                            empty one exits 1 with USAGE (bash's own ${2:?} message)
 #   SPEC --name+ARRAY=WORD   a switch: WORD is appended to the script's array ARRAY, once per use
 #   MODE leading             the first other word ends the options: it and every word after it
-#                            are ARGS (`--` is an unknown option)
+#                            up to a `--` are ARGS, the words after that `--` are PASSTHROUGH (a
+#                            `--` before the first of them is an unknown option); check_args
+#                            then refuses the words the script cannot place
 #   MODE mixed               other words are ARGS wherever they stand, and the words after `--`
 #                            are PASSTHROUGH (for the program the script starts)
 # Sets the arrays ARGS and PASSTHROUGH.
@@ -67,7 +69,11 @@ parse_args() {
       --) if [[ "$_mode" == mixed ]]; then shift; PASSTHROUGH=("$@"); return 0; fi ;;
       --*) ;;
       *)
-        if [[ "$_mode" == leading ]]; then ARGS=("$@"); return 0; fi
+        if [[ "$_mode" == leading ]]; then
+          while [[ $# -gt 0 && "$1" != -- ]]; do ARGS+=("$1"); shift; done
+          [[ $# -eq 0 ]] || { shift; PASSTHROUGH=("$@"); }
+          return 0
+        fi
         ARGS+=("$1"); shift; continue ;;
     esac
     for _spec in ${_specs[@]+"${_specs[@]}"}; do
@@ -84,6 +90,25 @@ parse_args() {
     done
     die "unknown option $1; $_usage"
   done
+}
+
+# check_args USAGE NAMES [PASS]: after parse_args' leading mode, die naming the first word the
+# script cannot place: an option among the arguments (the script's own go before the first
+# argument), an argument past the positional ones NAMES lists (e.g. "MODEL_DIR NUM_GPUS"), or,
+# without PASS, any word after `--`. PASS names the program the words after `--` go to.
+check_args() {
+  local usage=$1 names=$2 pass=${3:-} max w hint=""
+  read -r -a max <<<"$names"
+  [[ -z "$pass" ]] || hint=", flags for $pass after '--'"
+  for w in ${ARGS[@]+"${ARGS[@]}"}; do
+    [[ "$w" != -?* ]] || die "option '$w' among the arguments: this script's options go before ${max[0]}$hint; $usage"
+  done
+  if [[ ${#ARGS[@]} -gt ${#max[@]} ]]; then
+    die "unexpected argument '${ARGS[${#max[@]}]}': the arguments are $names$hint; $usage"
+  fi
+  if [[ -z "$pass" && ${#PASSTHROUGH[@]} -gt 0 ]]; then
+    die "unexpected argument '${PASSTHROUGH[0]}' after '--': this script passes no flags through; $usage"
+  fi
 }
 
 # check_urls WHAT URL...: every URL is http(s)://HOST:PORT (no path), or die naming the first

@@ -4,7 +4,7 @@
 # stdout, comma-separated), then stay in the foreground until the servers exit or the script is
 # stopped (Ctrl-C, SIGTERM): on exit it stops the servers it started, and only those (by pid).
 #
-#   launch/sglang_servers.sh [OPTIONS] MODEL_DIR [NUM_GPUS=4] [FIRST_PORT=30000] [DTYPE=float16]
+#   launch/sglang_servers.sh [OPTIONS] MODEL_DIR [NUM_GPUS=4] [FIRST_PORT=30000] [DTYPE=float16] [-- SGLANG_FLAGS...]
 #
 #   --interface IFACE   bind the servers to IFACE's IPv4 address (e.g. eth0, ib0) so that learner
 #                       and router nodes reach them; default: 127.0.0.1 (this node only)
@@ -23,6 +23,12 @@
 #                       throughput and needs a GPU attention backend (CPU refuses it)
 #   --dry-run           print every command instead of running it (no prerequisite checks)
 #
+# The options go before MODEL_DIR. The words after `--` are appended, as they are, to every
+# server's `sglang.launch_server` command line, after the script's own flags: e.g. what
+# colocated rollouts need from real SGLang (docs/scaling.md, "Colocated placement"):
+#   launch/sglang_servers.sh MODEL_DIR 4 30000 bfloat16 -- --enable-memory-saver --enable-weights-cpu-backup
+# Any other word (a fifth argument, an option after MODEL_DIR) stops the script, naming it.
+#
 # MODEL_DIR is a local Hugging Face directory. The trainer then talks to the servers with
 # --config.rollout.backend=sglang --config.rollout.server_urls=<the printed line>, directly (its
 # own sticky routing) or through launch/router.sh.
@@ -30,7 +36,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/_common.sh"
 
-usage="usage: $0 [--dry-run] [--interface IFACE | --host ADDR] [--shared-dir DIR] [--urls-file FILE] [--log-dir DIR] [--python PY] [--mem-fraction F] [--deterministic-inference] MODEL_DIR [NUM_GPUS] [FIRST_PORT] [DTYPE]"
+usage="usage: $0 [--dry-run] [--interface IFACE | --host ADDR] [--shared-dir DIR] [--urls-file FILE] [--log-dir DIR] [--python PY] [--mem-fraction F] [--deterministic-inference] MODEL_DIR [NUM_GPUS] [FIRST_PORT] [DTYPE] [-- SGLANG_FLAGS...]"
 extra=()
 iface=""
 host=""
@@ -42,6 +48,7 @@ mem=0.6
 parse_args "$usage" leading --interface=iface --host=host --shared-dir=shared --urls-file=urls_file \
   --log-dir=log_dir --python=py --mem-fraction=mem \
   --deterministic-inference+extra=--enable-deterministic-inference -- "$@"
+check_args "$usage" "MODEL_DIR NUM_GPUS FIRST_PORT DTYPE" sglang.launch_server
 set -- ${ARGS[@]+"${ARGS[@]}"}
 model=${1:?$usage}
 gpus=${2:-4}
@@ -67,7 +74,8 @@ for ((g = 0; g < gpus; g++)); do
   port=$((port0 + g))
   run_bg "$log_dir/sglang-$g.log" env "CUDA_VISIBLE_DEVICES=$g" "$py" -m sglang.launch_server \
     --model-path "$model" --host "$host" --port "$port" --tp 1 --dtype "$dtype" \
-    --mem-fraction-static "$mem" --skip-tokenizer-init ${extra[@]+"${extra[@]}"}
+    --mem-fraction-static "$mem" --skip-tokenizer-init ${extra[@]+"${extra[@]}"} \
+    ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
   urls+=("http://$host:$port")
   pids+=("${LAST_PID:-}")
 done

@@ -19,6 +19,7 @@ source "$here/_common.sh"
 usage="usage: $0 [--dry-run] [--deterministic-inference] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [ROLLOUT_GPUS] [TOTAL_GPUS]"
 det=()
 parse_args "$usage" leading --deterministic-inference+det=--deterministic-inference -- "$@"
+check_args "$usage" "CONFIG MODEL_DIR TRAIN_DATA WORKDIR ROLLOUT_GPUS TOTAL_GPUS"
 set -- ${ARGS[@]+"${ARGS[@]}"}
 config=${1:?$usage}
 model=${2:?$usage}; data=${3:?$usage}; workdir=${4:?$usage}

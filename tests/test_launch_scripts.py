@@ -316,7 +316,7 @@ def test_an_option_without_its_value_stops_with_the_usage(script, args):
 
 @pytest.mark.parametrize("script,args,unknown", [
     ("sglang_servers.sh", ["--bogus", "/m"], "--bogus"),
-    ("sglang_servers.sh", ["--", "/m"], "--"),  # no pass-through: `--` is not an option of it
+    ("sglang_servers.sh", ["--", "/m"], "--"),  # the SGLang flags' `--` comes after MODEL_DIR
     ("train_single_node.sh", ["--", "c", "m", "d", "w"], "--"),
     ("router.sh", ["http://h:1", "--nope"], "--nope"),
     ("learner_node.sh", ["--server-urls", "http://h:1", "--what", "c", "m", "d", "w"], "--what"),
@@ -372,10 +372,48 @@ def test_options_and_arguments_mix_where_the_script_passes_words_through():
 
 
 def test_servers_take_their_arguments_after_the_options_only():
-    """sglang_servers.sh stops reading options at MODEL_DIR: an option after it is a positional word."""
+    """sglang_servers.sh stops reading options at MODEL_DIR: an option after it is refused, named."""
     out = run("sglang_servers.sh", "--dry-run", "/m", "1", "--log-dir")
     assert out.returncode == 2
-    assert "FIRST_PORT must be an integer, got '--log-dir'" in out.stderr
+    assert ("sglang_servers.sh: option '--log-dir' among the arguments: this script's options go before MODEL_DIR, "
+            "flags for sglang.launch_server after '--'; usage: ") in out.stderr
+
+
+def test_sglang_flags_after_the_arguments_reach_every_server():
+    """What colocated rollouts need from real SGLang (docs/scaling.md, "Colocated placement"):
+    the words after `--` end every server's command line, as they are (quoted for the shell)."""
+    flags = ["--enable-memory-saver", "--enable-weights-cpu-backup", "--json-model-override-args", '{"a": 1}']
+    for args in (["/m", "2", "31000", "bfloat16"], ["/m", "2"]):  # after DTYPE, or before the defaults
+        out = run("sglang_servers.sh", "--dry-run", *args, "--", *flags)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert len(lines) == 3, lines
+        for g, line in enumerate(lines[:2]):
+            cmd, log = line[2:].split(" >")
+            assert shlex.split(cmd)[-5:] == ["--skip-tokenizer-init", *flags], line
+            assert log == f"logs/sglang-{g}.log 2>&1"
+        assert lines[2].count("http://") == 2  # the URL line
+    out = run("sglang_servers.sh", "--dry-run", "/m", "1", "--")  # an empty pass-through is none
+    assert out.returncode == 0 and out.stdout.splitlines()[0].endswith(" --skip-tokenizer-init >logs/sglang-0.log 2>&1")
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("sglang_servers.sh", ["/m", "1", "30000", "float16", "--enable-memory-saver"],
+     "option '--enable-memory-saver' among the arguments: this script's options go before MODEL_DIR, flags for "
+     "sglang.launch_server after '--'"),
+    ("sglang_servers.sh", ["/m", "1", "30000", "float16", "extra"],
+     "unexpected argument 'extra': the arguments are MODEL_DIR NUM_GPUS FIRST_PORT DTYPE, flags for "
+     "sglang.launch_server after '--'"),
+    ("train_single_node.sh", ["c", "m", "d", "w", "1", "2", "x"],
+     "unexpected argument 'x': the arguments are CONFIG MODEL_DIR TRAIN_DATA WORKDIR ROLLOUT_GPUS TOTAL_GPUS; usage: "),
+    ("train_single_node.sh", ["c", "m", "d", "w", "--", "--config.train.steps=1"],
+     "unexpected argument '--config.train.steps=1' after '--': this script passes no flags through; usage: "),
+])
+def test_a_word_a_script_cannot_place_is_refused(script, args, message):
+    """The servers' launcher used to drop every word after DTYPE (exit 0, the flags lost)."""
+    out = run(script, "--dry-run", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert f"{script}: {message}" in out.stderr and not out.stdout
 
 
 def test_a_switch_given_twice_is_passed_twice():
