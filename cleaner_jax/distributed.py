@@ -8,7 +8,10 @@ lists every process's devices and one `Mesh` spans them all (`session.make_mesh`
 
   off       one process (the default; nothing is started)
   explicit  coordinator address, process count and process id from the config keys; the
-            environment is not consulted (cluster detection off)
+            environment is not consulted (cluster detection off). Process 0's coordinator
+            service listens on that address only (jax's default is every interface, `[::]`,
+            which would expose a loopback run's coordinator to the network), or on
+            `coordinator_bind_address` where that is set
   auto      jax's own cluster detection (SLURM, Open MPI, Kubernetes, TPU pods; jax also reads
             JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS): the config key selects the mode,
             the environment is read only because jax's detection reads it
@@ -53,6 +56,11 @@ class DistributedConfig:
         "TPU pods)")
     coordinator_address: str | None = schema.field(
         None, help="explicit mode: host:port of process 0's coordinator service, reachable from every process")
+    coordinator_bind_address: str | None = schema.field(
+        None, help="host:port process 0's coordinator service listens on; None: explicit mode, coordinator_address "
+        "(that interface only), auto mode, jax's default (every interface, [::]:PORT). Set it where the "
+        "coordinator's name resolves on process 0's node to another interface than the others reach (Debian maps "
+        "the node's own name to 127.0.1.1): e.g. [::]:8476 for every interface, or this node's address")
     num_processes: int | None = schema.field(None, ge=1, help="explicit mode: how many learner processes join")
     process_id: int | None = schema.field(None, ge=0, help="explicit mode: this process's id, 0 .. num_processes-1")
     local_device_ids: str = schema.field(
@@ -77,10 +85,7 @@ def check(cfg: DistributedConfig, where: str = "config.distributed") -> None:
         if cfg.process_id >= cfg.num_processes:
             raise ConfigError(f"{where}.process_id: {cfg.process_id} is not below distributed.num_processes="
                               f"{cfg.num_processes} (ids run 0 .. num_processes-1)")
-        host, sep, port = cfg.coordinator_address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"{where}.coordinator_address: {cfg.coordinator_address!r} is not HOST:PORT "
-                              "(e.g. 10.0.0.1:8476)")
+        _check_host_port(cfg.coordinator_address, f"{where}.coordinator_address")
     else:
         for key, value in explicit.items():
             if value is not None:
@@ -90,7 +95,28 @@ def check(cfg: DistributedConfig, where: str = "config.distributed") -> None:
         if cfg.mode == "off" and cfg.local_device_ids.strip():
             raise ConfigError(f"{where}.local_device_ids: {cfg.local_device_ids!r} applies to a multi-process run; "
                               "with distributed.mode=off every visible device is used")
+    if cfg.coordinator_bind_address is not None:
+        if cfg.mode == "off":
+            raise ConfigError(f"{where}.coordinator_bind_address: {cfg.coordinator_bind_address!r} is set but "
+                              "distributed.mode='off' (one process, no coordinator); unset it or use "
+                              "distributed.mode=explicit")
+        _check_host_port(cfg.coordinator_bind_address, f"{where}.coordinator_bind_address", "[::]:8476")
     device_ids(cfg, where)
+
+
+def _check_host_port(value: str, where: str, example: str = "10.0.0.1:8476") -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: {value!r} is not HOST:PORT (e.g. {example})")
+
+
+def bind_address(cfg: DistributedConfig) -> str | None:
+    """Where process 0's coordinator service listens: `coordinator_bind_address`, else in explicit
+    mode `coordinator_address` itself (a loopback coordinator stays on loopback); None: jax's
+    default (auto mode: every interface, on the detected coordinator's port)."""
+    if cfg.coordinator_bind_address is not None:
+        return cfg.coordinator_bind_address
+    return cfg.coordinator_address if cfg.mode == "explicit" else None
 
 
 def device_ids(cfg: DistributedConfig, where: str = "config.distributed") -> list[int] | None:
@@ -119,7 +145,8 @@ def initialize(cfg: DistributedConfig) -> bool:
                            "once, at the start of train.main / evaluate.main")
     # CPU devices need an implementation for cross-process collectives; GPU and TPU ignore this
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(local_device_ids=device_ids(cfg), initialization_timeout=cfg.initialization_timeout_s)
+    kwargs = dict(local_device_ids=device_ids(cfg), initialization_timeout=cfg.initialization_timeout_s,
+                  coordinator_bind_address=bind_address(cfg))
     if cfg.mode == "explicit":
         jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
                                    process_id=cfg.process_id, cluster_detection_method="deactivate", **kwargs)

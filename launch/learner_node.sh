@@ -13,7 +13,9 @@
 #                       reaches each one
 #   --shared-dir DIR    where the weight exports go (train.weight_export_dir): a filesystem that
 #                       every rollout node mounts at the same path; required, checked writable
-#   --coordinator HOST:PORT   process 0's coordinator (distributed.coordinator_address)
+#   --coordinator HOST:PORT   process 0's coordinator (distributed.coordinator_address); it
+#                       listens on that address only (for every interface, pass
+#                       -- --config.distributed.coordinator_bind_address=[::]:PORT)
 #   --num-processes N   learner processes in all (distributed.num_processes)
 #   --process-id I      this one's id, 0 .. N-1 (distributed.process_id)
 #                       (the three together select distributed.mode=explicit; none of them: one
