@@ -12,20 +12,39 @@ const inlined = document.getElementById("dump-data");
 const EXPORT = inlined ? JSON.parse(inlined.textContent) : null;
 const stepCache = {};
 
-async function loadIndex() {
-  if (EXPORT) return EXPORT.index;
-  const r = await fetch("api/index.json");
-  if (!r.ok) throw new Error(`api/index.json: ${r.status}`);
+// GET a JSON route of viz/serve.py; an error answer's {"error": ...} (which names the file or
+// step) becomes the thrown message, and a server that does not answer at all is said to be gone
+async function getJSON(url) {
+  let r;
+  try {
+    r = await fetch(url);
+  } catch (err) {
+    throw new Error(`${url}: no answer from the server (${err.message}); is viz.serve still running? Restart it and reload.`);
+  }
+  if (!r.ok) {
+    let msg = `HTTP ${r.status} ${r.statusText}`;
+    try { const body = await r.json(); if (body && body.error) msg = body.error; } catch (_) { /* not JSON */ }
+    throw new Error(`${url}: ${msg}`);
+  }
   return r.json();
 }
 
+async function loadIndex() {
+  if (EXPORT) return EXPORT.index;
+  return getJSON("api/index.json");
+}
+
 async function loadStep(step) {
-  if (EXPORT) return EXPORT.steps[String(step)];
-  if (!stepCache[step]) {
-    const r = await fetch(`api/step/${step}.json`);
-    if (!r.ok) throw new Error(`api/step/${step}.json: ${r.status}`);
-    stepCache[step] = await r.json();
+  if (EXPORT) {
+    const eps = EXPORT.steps[String(step)];
+    if (eps === undefined) {
+      const bad = (EXPORT.index.bad_files || []).find(b => b.step === step);
+      throw new Error(bad ? `step ${step} is not in this export: ${bad.file}: ${bad.error}`
+                          : `no such step: this export holds steps ${EXPORT.index.steps.join(", ") || "(none)"}`);
+    }
+    return eps;
   }
+  if (!stepCache[step]) stepCache[step] = await getJSON(`api/step/${step}.json`);
   return stepCache[step];
 }
 
@@ -84,6 +103,32 @@ function renderList(index) {
   document.getElementById("count").textContent = `${rows.length} of ${index.rows.length} trajectories`;
 }
 
+// what the list page says when there is nothing to list, and which dump files could not be read
+function emptyHint(index) {
+  const dir = `${index.workdir}/trajectories/`;
+  if (index.rows.length) return null;
+  if ((index.bad_files || []).length || index.legacy_steps.length)
+    return `No episode to show: every dump under ${dir} is unreadable or old-format (listed above).`;
+  return `No trajectory dumps under ${dir} yet. A training run writes one file per step there ` +
+         `(step_XXXXXX.jsonl.gz) while train.dump_trajectories is True, the default ` +
+         `(--config.train.dump_trajectories=True); a run that has not finished its first step has none yet: reload later.`;
+}
+
+function showProblems(index) {
+  const bad = index.bad_files || [];
+  const box = document.getElementById("bad-files");
+  box.hidden = !bad.length;
+  if (bad.length)
+    box.replaceChildren(el("p", { text: (bad.length > 1 ? `${bad.length} dump files could not be read and are`
+                                                         : "1 dump file could not be read and is") +
+                                        " not shown (the other steps are):" }),
+                        el("ul", {}, ...bad.map(b => el("li", { "data-step": b.step, text: `step ${b.step}: ${b.file}: ${b.error}` }))));
+  const hint = emptyHint(index);
+  const empty = document.getElementById("empty");
+  empty.hidden = hint === null;
+  empty.textContent = hint || "";
+}
+
 function setupFilters(index) {
   const stepSel = document.getElementById("f-step");
   for (const s of index.steps) stepSel.append(el("option", { value: s, text: s }));
@@ -130,7 +175,7 @@ function rawColumn(ep) {
       cls = s.failed_attempt ? "failed" : "turn";
       label = `turn ${s.turn}, attempt ${s.attempt}`;
       if (s.attempt > 0) label += `: regeneration, ${decision(s.similarity, ep.gamma, s.splice)}`;
-      if (s.splice === "shallow") label += " (only its call is spliced in)";
+      if (s.splice === "shallow") label += " (only its call is spliced in; its reasoning is dropped)";
       if (s.failed_attempt) label += " — failed attempt; " + (REPLACED[s.replaced_by] || s.replaced_by);
     } else {
       cls = s.tool_failed ? "failed obs" : "obs";
@@ -141,10 +186,15 @@ function rawColumn(ep) {
     // the raw tokens a splice carried over: the call of a shallow regeneration, all of a deep one
     const from = s.splice === "shallow" ? s.call_start : (s.splice === "deep" ? 0 : null);
     const toks = s.pieces.map((p, i) => {
+      // a shallow splice keeps the failed attempt's reasoning: the retry's own, before its call, is dropped
+      const dropped = s.splice === "shallow" && s.call_start !== null && i < s.call_start;
+      const replaced = s.replaced_from !== null && i >= s.replaced_from;
       const sp = (from !== null && i >= from ? (s.splice === "deep" ? " sp2" : " sp1") : "") +
-                 (s.replaced_from !== null && i >= s.replaced_from ? " gone" : "");
+                 (dropped || replaced ? " gone" : "");
       const lp = s.logprobs ? `behaviour log-prob ${fmt(s.logprobs[i], 4)}` : "no log-prob (not sampled)";
-      return token(p, (s.kind === "turn" ? "m1" : "m0") + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}`);
+      const why = dropped ? "\nnot trained: the shallow splice keeps the failed attempt's reasoning, not this retry's"
+                : replaced ? "\nnot trained: replaced by the retry" : "";
+      return token(p, (s.kind === "turn" ? "m1" : "m0") + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}${why}`);
     });
     out.push(segBlock(cls, label, ...toks));
   }
@@ -193,6 +243,8 @@ function eventsTable(ep) {
 async function showEpisode(step, index) {
   const eps = await loadStep(step);
   const ep = eps.find(e => e.index === index);
+  if (ep === undefined)
+    throw new Error(`no such episode: step ${step} has episodes ${eps.length ? `0 to ${eps.length - 1}` : "(none)"}`);
   document.getElementById("ep-title").textContent = `step ${step}, episode ${index}: ${ep.uid}`;
   document.getElementById("ep-meta").textContent =
     `reward ${ep.error ? "invalid (" + ep.error + ")" : fmt(ep.score)} · correct ${ep.acc ? "yes" : "no"} · ` +
@@ -211,18 +263,40 @@ async function showEpisode(step, index) {
 
 // ---- routing: "#ep=STEP:INDEX" shows an episode, anything else the list
 
+function clearEpisode(title, message) {
+  document.getElementById("ep-title").textContent = title;
+  document.getElementById("ep-meta").textContent = "";
+  for (const id of ["raw", "purified", "events"]) document.getElementById(id).replaceChildren();
+  const e = document.getElementById("ep-error");
+  e.hidden = message === null;
+  e.textContent = message || "";
+}
+
 async function route(index) {
+  const wantsEpisode = location.hash.startsWith("#ep=");
   const m = location.hash.match(/^#ep=(\d+):(\d+)$/);
-  document.getElementById("list-page").hidden = !!m;
-  document.getElementById("episode-page").hidden = !m;
-  if (m) await showEpisode(Number(m[1]), Number(m[2]));
-  document.body.dataset.ready = m ? "episode" : "list";
+  document.getElementById("list-page").hidden = wantsEpisode;
+  document.getElementById("episode-page").hidden = !wantsEpisode;
+  if (!wantsEpisode) {
+    document.body.dataset.ready = "list";
+    return;
+  }
+  clearEpisode("", null);
+  try {
+    if (!m) throw new Error(`no such episode: ${JSON.stringify(location.hash)} is not #ep=STEP:INDEX (e.g. #ep=3:0)`);
+    await showEpisode(Number(m[1]), Number(m[2]));
+    document.body.dataset.ready = "episode";
+  } catch (err) {  // shown on the page, never an uncaught error: the list is one click away
+    clearEpisode(m ? `step ${m[1]}, episode ${m[2]}` : location.hash, err.message);
+    document.body.dataset.ready = "episode-error";
+  }
 }
 
 async function main() {
   const index = await loadIndex();
   document.getElementById("workdir").textContent = index.workdir;
   setupFilters(index);
+  showProblems(index);
   renderList(index);
   const colour = document.getElementById("colour");
   const applyColour = () => {
