@@ -38,6 +38,8 @@ def make_server(workdir: str | Path, host: str = "127.0.0.1", port: int = 0) -> 
             path = self.path.split("?", 1)[0]
             try:
                 self._get(path)
+            except ConnectionError:  # the browser left mid-answer (a reload): nobody to tell
+                return
             except Exception as err:  # answer with the error, never drop the connection
                 # (a dropped one reads "TypeError: Failed to fetch" in the browser, naming nothing)
                 sys.stderr.write(f"viz.serve: {path}: {type(err).__name__}: {err}\n")
