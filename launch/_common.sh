@@ -131,6 +131,29 @@ bind_address() {
   fi
 }
 
+# url_host HOST: the host to put in the URL that other nodes use for a server bound to HOST:
+# HOST itself, but for a bind to every interface (0.0.0.0, ::), which no node can connect to,
+# this node's first address from `hostname -I` (its name if that lists none), said on stderr
+# with the others, since the first need not be the one the other nodes reach.
+url_host() {
+  local host=$1 addrs=() addr
+  case "$host" in
+    0.0.0.0|::|'[::]') ;;
+    *) echo "$host"; return 0 ;;
+  esac
+  read -r -a addrs <<<"$(hostname -I 2>/dev/null || true)"
+  if [[ ${#addrs[@]} -gt 0 ]]; then
+    addr=${addrs[0]}
+  else
+    addr=$(hostname 2>/dev/null) && [[ -n "$addr" ]] \
+      || die "--host $host binds every interface, and this node's address could not be found for the URL (hostname -I lists none): pass --interface IFACE or --host with one of this node's addresses"
+    addrs=("$addr")
+  fi
+  [[ "$addr" != *:* ]] || addr="[$addr]"
+  echo "$(basename "$0"): --host $host binds every interface; the URL names this node as $addr, the first of its addresses (${addrs[*]}): if the other nodes reach it by another, use that one (or --interface IFACE)" >&2
+  echo "$addr"
+}
+
 # ----------------------------------------------------------------------------- processes
 
 # run_bg LOG CMD...: start CMD in its own session with stdout+stderr to LOG; its pid is

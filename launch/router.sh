@@ -6,8 +6,11 @@
 #   launch/router.sh [OPTIONS] WORKER_URL[,WORKER_URL...] [WORKER_URL...] [-- ROUTER_FLAGS...]
 #
 #   --interface IFACE   bind the router to IFACE's IPv4 address; default: 127.0.0.1
-#   --host ADDR         bind to ADDR instead
-#   --port PORT         the router's port; default 30000
+#   --host ADDR         bind to ADDR instead; 0.0.0.0 (every interface): the printed URL then
+#                       names this node's first address (hostname -I; the others on stderr)
+#   --port PORT         the router's port; default 29900 (not 30000: that is SGLang's and
+#                       launch/sglang_servers.sh's first worker port, and SGLang takes its NCCL
+#                       port at random from 100 to 1000 above a worker's)
 #   --prometheus-port PORT
 #                       its metrics port (bound to the same address); default 29000
 #   --policy P          routing policy; default manual: sticky by the X-SMG-Routing-Key header
@@ -37,7 +40,7 @@ source "$here/_common.sh"
 usage="usage: $0 [--dry-run] [--interface IFACE | --host ADDR] [--port PORT] [--prometheus-port PORT] [--policy P] [--log-dir DIR] [--python PY] WORKER_URL... [-- ROUTER_FLAGS...]"
 iface=""
 host=""
-port=30000
+port=29900
 prom_port=29000
 policy=manual
 log_dir=logs
@@ -53,6 +56,7 @@ done
 [[ -z "$iface" || -z "$host" ]] || die "--interface and --host are exclusive"
 check_urls worker "${workers[@]}"
 host=$(bind_address "$py" "$iface" "$host")
+url="http://$(url_host "$host"):$port"
 
 if [[ "$DRY_RUN" != 1 ]]; then
   need_cmd curl "the readiness check polls the router's /readiness"
@@ -69,7 +73,6 @@ run_bg "$log_dir/router.log" "$py" -m sglang_router.launch_router --host "$host"
   --prometheus-host "$host" --prometheus-port "$prom_port" \
   --health-check-interval-secs 5 --health-failure-threshold 2 --cb-failure-threshold 3 \
   --request-timeout-secs 3600 ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
-url="http://$host:$port"
 if [[ "$DRY_RUN" == 1 ]]; then
   echo "$url"
   exit 0

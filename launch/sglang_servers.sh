@@ -8,7 +8,9 @@
 #
 #   --interface IFACE   bind the servers to IFACE's IPv4 address (e.g. eth0, ib0) so that learner
 #                       and router nodes reach them; default: 127.0.0.1 (this node only)
-#   --host ADDR         bind to ADDR instead (an address of this node, or 0.0.0.0)
+#   --host ADDR         bind to ADDR instead (an address of this node, or 0.0.0.0: the URLs
+#                       then name this node's first address, from hostname -I, the others on
+#                       stderr)
 #   --shared-dir DIR    the directory the learner exports weights to (a shared filesystem on
 #                       several nodes): checked readable here, since the weight sync points the
 #                       servers at exports under it (/update_weights_from_disk)
@@ -58,6 +60,7 @@ dtype=${4:-float16}
 [[ "$gpus" =~ ^[1-9][0-9]*$ ]] || die "NUM_GPUS must be a positive integer, got '$gpus'"
 [[ "$port0" =~ ^[0-9]+$ ]] || die "FIRST_PORT must be an integer, got '$port0'"
 host=$(bind_address "$py" "$iface" "$host")
+url_host=$(url_host "$host")
 
 if [[ "$DRY_RUN" != 1 ]]; then
   need_cmd curl "the readiness check polls each server's /health"
@@ -76,7 +79,7 @@ for ((g = 0; g < gpus; g++)); do
     --model-path "$model" --host "$host" --port "$port" --tp 1 --dtype "$dtype" \
     --mem-fraction-static "$mem" --skip-tokenizer-init ${extra[@]+"${extra[@]}"} \
     ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
-  urls+=("http://$host:$port")
+  urls+=("http://$url_host:$port")
   pids+=("${LAST_PID:-}")
 done
 line=$(IFS=,; echo "${urls[*]}")

@@ -94,6 +94,60 @@ def test_router_dry_run():
     assert " --policy round_robin --prometheus-host 127.0.0.1 " in other.stdout  # min_group is the manual policy's
 
 
+def _port(line: str, flag: str) -> int:
+    cmd = shlex.split(line[2:].split(" >")[0])
+    return int(cmd[cmd.index(flag) + 1])
+
+
+def test_the_router_does_not_default_to_a_worker_port():
+    """Both used to default to 30000, so a router and the servers' launcher on one node with their
+    defaults collided. The router's port is also outside the range where SGLang picks each worker's
+    NCCL port (100 to 1000 above the worker's, and upwards from there)."""
+    servers = run("sglang_servers.sh", "--dry-run", "/m", "8").stdout.splitlines()
+    router = run("router.sh", "--dry-run", "http://h:1").stdout.splitlines()
+    worker_ports = {_port(line, "--port") for line in servers[:-1]}
+    assert worker_ports == set(range(30000, 30008))  # 8 GPUs from the default first port
+    port, metrics = _port(router[0], "--port"), _port(router[0], "--prometheus-port")
+    assert port not in worker_ports and port != metrics and port < min(worker_ports)
+    assert router[1] == f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def hostname_lists(tmp_path):
+    """PATH with a `hostname` whose -I lists the given addresses."""
+    def make(addresses: str) -> dict:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        (bin_dir / "hostname").write_text(f'#!/bin/sh\n[ "$1" = -I ] && echo "{addresses}" || echo node-7\n')
+        (bin_dir / "hostname").chmod(0o755)
+        return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return make
+
+
+@pytest.mark.parametrize("script,args", [("router.sh", ["http://h:1"]), ("sglang_servers.sh", ["/m", "2"])])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_bind_to_every_interface_prints_a_reachable_url(hostname_lists, script, args, host):
+    """`--host 0.0.0.0` binds every interface, but http://0.0.0.0:PORT is no address another node
+    can use: the URL names this node's first address, and stderr says which others it has."""
+    out = run(script, "--dry-run", "--host", host, *args, env=hostname_lists("10.9.8.7 172.17.0.1 fd00::7"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert all(f" --host {host} " in line for line in lines[:-1])  # the bind itself is as asked
+    assert "0.0.0.0" not in lines[-1] and "[::]" not in lines[-1]
+    assert lines[-1].startswith("http://10.9.8.7:") and lines[-1].count("http://10.9.8.7:") == len(lines) - 1
+    assert (f"{script}: --host {host} binds every interface; the URL names this node as 10.9.8.7, the first of its "
+            "addresses (10.9.8.7 172.17.0.1 fd00::7): if the other nodes reach it by another, use that one "
+            "(or --interface IFACE)") in out.stderr
+
+
+def test_a_bind_to_every_interface_without_addresses_names_the_node(hostname_lists):
+    out = run("router.sh", "--dry-run", "--host", "0.0.0.0", "http://h:1", env=hostname_lists(""))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "http://node-7:29900"
+    v6 = run("router.sh", "--dry-run", "--host", "::", "http://h:1", env=hostname_lists("fd00::7"))
+    assert v6.stdout.splitlines()[-1] == "http://[fd00::7]:29900"
+
+
 def test_learner_node_dry_run_joins_the_distributed_run():
     out = run("learner_node.sh", "--dry-run", "--server-urls", "http://10.0.0.1:30000,http://10.0.0.2:30000",
               "--shared-dir", "/mnt/shared/sync", "--coordinator", "10.0.1.1:1234", "--num-processes", "2",
