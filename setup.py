@@ -57,7 +57,11 @@ EXTRAS_REQUIRE = {
         "nbclient>=0.11.0,<0.12",
         "nbformat>=5.11.1,<6",
         "ipykernel>=7.4.0,<8",
+        # train.loggers=wandb's test (tests/test_metrics_wandb.py: an offline run, read back from its file)
+        "wandb>=0.31.0,<0.32",
     ],
+    # Weights & Biases beside TensorBoard (train.loggers="tensorboard,wandb", docs/metrics.md)
+    "wandb": ["wandb>=0.31.0,<0.32"],
     # Accelerator builds of JAX (declared, not installable on the CPU CI box): the jaxlib plugin
     # wheels must match the jax version, so they carry the same range as install_requires.
     "cuda": ["jax[cuda12]>=0.10.2,<0.13"],

@@ -24,6 +24,7 @@ instrument, the same for every seed. The per-step work is `train_steps.StepLoop`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -41,7 +42,7 @@ from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.models import params, sharding
 from cleaner_jax.rl.checkpointing import CheckpointDiskFullError, QuietDiskFull, remove_unfinished_saves
 from cleaner_jax.rl.learner import Learner
-from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter
+from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter, parse_loggers
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.rollout.weight_sync import ContextBudgetError, check_context_budget, require_context_budget
@@ -146,7 +147,7 @@ class Trainer:
             session.start_rollout(model_dir)  # checks the agent's token budget against the served context
             # what a killed run logged after its last checkpoint is logged again: drop it (row 3)
             keep = start if restored else -1
-            writer = stack.enter_context(MetricsWriter(wd / "tb", keep_through=keep) if main else NullMetricsWriter())
+            writer = stack.enter_context(make_metrics_writer(c, wd, keep) if main else NullMetricsWriter())
             step_loop = StepLoop(c, wd, session, learner, writer, model_dir)
             if c.rollout.colocated:
                 step_loop.check_memory_saver()
@@ -170,6 +171,17 @@ class Trainer:
         print("\nheld-out evaluation before and after RL:\n" + run_summary(wd), flush=True)
         return result
 
+
+
+def make_metrics_writer(c: RunConfig, wd: Path, keep_through: int) -> MetricsWriter:
+    """The run's metrics writer: `<workdir>/tb/` and the loggers of train.loggers (a W&B run
+    under `<workdir>/wandb/`, with the run config as its config)."""
+    loggers = parse_loggers(c.train.loggers)
+    wandb_init = None
+    if "wandb" in loggers:
+        wandb_init = {"project": c.train.wandb_project or "cleaner_jax", "name": c.train.wandb_name or wd.resolve().name,
+                      "dir": str(wd), "config": dataclasses.asdict(c)}
+    return MetricsWriter(wd / "tb", keep_through=keep_through, loggers=loggers, wandb_init=wandb_init)
 
 
 def quiet_disk_full_on_console() -> None:

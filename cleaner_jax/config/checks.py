@@ -13,6 +13,7 @@ from cleaner_jax.data.benchmarks import USER_BENCHMARKS, check_user_file, parse_
 from cleaner_jax.data.filter import FILTERED_SUFFIX
 from cleaner_jax.data.problems import BENCHMARKS
 from cleaner_jax.eval.settings import EvalSettings, parse_overrides, settings_for
+from cleaner_jax.rl import metrics_writer
 from cleaner_jax.rl.batch import bucket_widths
 from cleaner_jax.schema import ConfigError
 
@@ -201,6 +202,7 @@ def check_combinations(r: RunConfig) -> None:
         bucket_widths(a.bucket_widths, r.agent.max_model_len, "bucket_widths")
     except ValueError as e:
         raise ConfigError(f"config.algo.{e}") from None
+    _check_loggers(r)
     cache = r.train.compilation_cache_dir
     _require(cache is None or (bool(cache.strip()) and not os.path.isfile(cache)), "train.compilation_cache_dir",
              f"{cache!r} is not a usable directory path (it is created if missing); None turns the cache off")
@@ -244,6 +246,22 @@ def check_combinations(r: RunConfig) -> None:
     _require(r.agent.use_tools or not with_saar, "eval.saar",
              f"SAAR needs tools, but agent.use_tools=False and SAAR is on at evaluation for {', '.join(with_saar)}: "
              "set eval.saar=off (and no saar=on in eval.overrides)")
+
+
+def _check_loggers(r: RunConfig) -> None:
+    """train.loggers names known loggers once each; W&B's keys only with wandb in it, and the
+    package installed (checked here, at start-up, without importing it)."""
+    t = r.train
+    try:
+        loggers = metrics_writer.parse_loggers(t.loggers)
+    except ValueError as e:
+        raise ConfigError(f"config.train.loggers: {t.loggers!r}: {e}") from None
+    for key in ("wandb_project", "wandb_name"):
+        _require("wandb" in loggers or getattr(t, key) is None, f"train.{key}",
+                 f"{getattr(t, key)!r} names a W&B run, but train.loggers={t.loggers!r} has no wandb: add it "
+                 "('tensorboard,wandb') or unset the key")
+    _require("wandb" not in loggers or metrics_writer.wandb_installed(), "train.loggers",
+             f"{t.loggers!r} asks for wandb, but {metrics_writer.WANDB_MISSING}")
 
 
 def _check_xla_memory(r: RunConfig) -> None:

@@ -254,6 +254,13 @@ class TrainConfig:
         "default", help="XLA_PYTHON_CLIENT_ALLOCATOR of the trainer and its embedded server: default (JAX's: bfc), "
         "bfc (a pool that keeps what it frees), platform (cudaMalloc/cudaFree per buffer, slower: the only one that "
         "gives freed memory back to the device, which rollout.colocated needs)")
+    loggers: str = field(
+        "tensorboard", help="where the scalars go besides <workdir>/tb/metrics.jsonl (always written), comma-separated: "
+        "tensorboard (event files in <workdir>/tb/), wandb (a Weights & Biases run under <workdir>/wandb/, same "
+        "names and steps; needs pip install cleaner_jax[wandb]; WANDB_MODE=offline keeps it on disk for a later "
+        "wandb sync), or both: 'tensorboard,wandb' (docs/metrics.md)")
+    wandb_project: str | None = field(None, help="the W&B project (train.loggers has wandb); None: cleaner_jax")
+    wandb_name: str | None = field(None, help="the W&B run's name (train.loggers has wandb); None: the workdir's name")
 
 
 @section

@@ -18,9 +18,17 @@ one), each TensorBoard event file likewise (records kept byte for byte; a record
 kill at the file's end is dropped), and the new event file opens with a `SessionLog.START` event
 at step k + 1, tensorboardX's `purge_step`, which makes a TensorBoard that had already loaded the
 old events drop them too.
+
+Weights & Biases (docs/metrics.md, "Weights & Biases"): `loggers=("tensorboard", "wandb")`
+(`train.loggers`) also logs every row to a W&B run, under the same names and steps, with
+`wandb.log(row, step=step)`. `wandb` is imported only then (it is an optional extra:
+`pip install cleaner_jax[wandb]`); `WANDB_MODE=offline` keeps the run on disk for a later
+`wandb sync`. W&B cannot take back what it logged: a resumed run is a new W&B run, starting at
+the restored step + 1. `metrics.jsonl` is written whatever `loggers` says (plots read it).
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import logging
@@ -38,6 +46,8 @@ from tensorboardX.record_writer import masked_crc32c
 
 log = logging.getLogger(__name__)
 EVENT_GLOB = "events.out.tfevents.*"
+LOGGERS = ("tensorboard", "wandb")  # what `loggers` may name (train.loggers)
+WANDB_MISSING = "the wandb package is not installed: pip install cleaner_jax[wandb]"
 _writers = itertools.count()  # event files are named by the second: two writers of one second would clash
 
 
@@ -46,43 +56,59 @@ class MetricsWriter:
 
     `keep_through`: None appends to what `logdir` holds; an int k (a resumed run's restored step,
     -1 for a run that starts over) first removes the rows and events of every step after k.
+    `loggers`: "tensorboard" (the event file) and/or "wandb" (a W&B run: `wandb.init(**wandb_init)`,
+    e.g. project=, name=, dir=, config=).
     """
 
-    def __init__(self, logdir: str | os.PathLike, jsonl: bool = True, keep_through: int | None = None):
+    def __init__(self, logdir: str | os.PathLike, jsonl: bool = True, keep_through: int | None = None,
+                 loggers: tuple[str, ...] = ("tensorboard",), wandb_init: Mapping[str, object] | None = None):
+        unknown = [name for name in loggers if name not in LOGGERS]
+        if unknown or not loggers:
+            raise ValueError(f"MetricsWriter: loggers={loggers!r}: name one or more of {', '.join(LOGGERS)}")
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
+        self._wandb = _start_wandb(dict(wandb_init or {})) if "wandb" in loggers else None
         had_events = any(self.logdir.glob(EVENT_GLOB))
         if keep_through is not None:
             drop_after(self.logdir, keep_through)
-        self._tb = _EventFile(self.logdir)
-        if keep_through is not None and had_events:
+        self._tb = _EventFile(self.logdir) if "tensorboard" in loggers else None
+        if self._tb is not None and keep_through is not None and had_events:
             self._tb.add(Event(step=keep_through + 1, wall_time=time.time(),
                                session_log=SessionLog(status=SessionLog.START)))
         self._jsonl = open(self.logdir / "metrics.jsonl", "a", encoding="utf-8") if jsonl else None
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row: dict[str, float | int | str] = {"step": int(step)}
-        values = []
+        values, floats = [], {}
         for name, value in metrics.items():
-            v = float(value)
-            values.append(Summary.Value(tag=name, simple_value=v))
+            v = floats[name] = float(value)
+            values.append(Summary.Value(tag=name, simple_value=v))  # float32 in the event file
             row[name] = v if math.isfinite(v) else str(v)  # JSON has no NaN/inf
-        self._tb.add(Event(step=int(step), wall_time=time.time(), summary=Summary(value=values)))
+        if self._tb is not None:
+            self._tb.add(Event(step=int(step), wall_time=time.time(), summary=Summary(value=values)))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(row) + "\n")
+        if self._wandb is not None:  # a later row of the same step joins W&B's row of that step
+            self._wandb.log(floats, step=int(step))  # float64, as metrics.jsonl has them
 
     def flush(self) -> None:
-        """Everything written so far is in both files, fsync'd."""
-        self._tb.flush()
+        """Everything written so far is in both files, fsync'd (W&B's own process writes its
+        run when it gets to it: `close()` waits for it)."""
+        if self._tb is not None:
+            self._tb.flush()
         if self._jsonl is not None:
             self._jsonl.flush()
             os.fsync(self._jsonl.fileno())
 
     def close(self) -> None:
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -110,6 +136,33 @@ class NullMetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def parse_loggers(spec: str) -> tuple[str, ...]:
+    """`train.loggers` ("tensorboard", "wandb" or both, comma-separated) as a tuple; ValueError
+    for an unknown, repeated or missing name."""
+    names = tuple(name.strip() for name in spec.split(",") if name.strip())
+    unknown = [name for name in names if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"unknown logger {unknown[0]!r}: use {', '.join(LOGGERS)} or both, comma-separated")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{spec!r} names a logger twice")
+    if not names:
+        raise ValueError("names no logger: use tensorboard, wandb or both (metrics.jsonl is written either way)")
+    return names
+
+
+def wandb_installed() -> bool:
+    """Whether `import wandb` would find the package (without importing it)."""
+    return importlib.util.find_spec("wandb") is not None
+
+
+def _start_wandb(init: dict[str, object]) -> object:
+    try:
+        import wandb
+    except ImportError as err:
+        raise ImportError(f"MetricsWriter(loggers=...'wandb'...): {WANDB_MISSING}") from err
+    return wandb.init(**init)
 
 
 class _EventFile:
