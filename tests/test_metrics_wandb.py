@@ -10,10 +10,12 @@ import dataclasses
 import glob
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,8 +85,9 @@ def test_an_offline_wandb_run_gets_tensorboards_names_and_values(tmp_path, monke
     monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's stdout alone
+    config = dataclasses.asdict(validate(toy()))  # what train gives the run (make_metrics_writer)
     with MetricsWriter(tmp_path / "tb", loggers=parse_loggers("tensorboard,wandb"),
-                       wandb_init={"project": "cleaner_jax", "name": "t", "dir": str(wandb_dir)}) as w:
+                       wandb_init={"project": "cleaner_jax", "name": "t", "dir": str(wandb_dir), "config": config}) as w:
         for step, metrics in ROWS:
             w.write(step, metrics)
     [wandb_file] = glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -188,3 +191,33 @@ def test_wandb_alone_writes_no_event_file_but_still_metrics_jsonl(tmp_path, monk
     assert json.loads((tmp_path / "tb" / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 0.5}
     [wandb_file] = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert wandb_history(wandb_file) == {("reward/mean", 1): 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_toy_training_run_logs_to_wandb_what_it_logs_to_tensorboard(tmp_path):
+    """End to end (train, its config keys, the evaluations before and after the step): every
+    TensorBoard (tag, step) of a tiny toy run is in its offline W&B run with the same value."""
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parents[1]
+    wd = tmp_path / "run"
+    tiny = ["--config.train.steps=1", "--config.train.eval_every=1", "--config.train.eval_before_train=True",
+            "--config.train.checkpoint_every=1", "--config.warmup_sft.steps=2", "--config.warmup_sft.examples=8",
+            "--config.warmup_sft.batch_size=4", "--config.algo.prompts_per_step=2", "--config.algo.group_size=2",
+            "--config.algo.micro_batch_size=4", "--config.data.eval_limit=2", "--config.eval.n=2",
+            "--config.sandbox.workers=2"]
+    cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(root / "configs/toy.py"), "--workdir", str(wd),
+           *tiny, "--config.train.loggers=tensorboard,wandb", "--config.train.wandb_name=toy"]
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    [wandb_file] = glob.glob(str(wd / "wandb" / "offline-run-*" / "run-*.wandb"))
+    logged = wandb_history(wandb_file)
+    acc = EventAccumulator(str(wd / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    board = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    assert ("eval/toy/pass@1", 0) in board and ("eval/toy/pass@1", 1) in board and ("reward/acc", 1) in board
+    assert sorted(logged) == sorted(board)
+    assert all(same(float(np.float32(v)), board[k]) for k, v in logged.items())
