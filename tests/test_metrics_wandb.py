@@ -70,6 +70,15 @@ def toy():
     return load_config("toy")
 
 
+def offline_env(root) -> dict[str, str]:
+    """W&B offline with everything it writes under `root`: its run (WANDB_DIR) and the core's
+    debug logs and settings (WANDB_CACHE_DIR, WANDB_CONFIG_DIR, WANDB_DATA_DIR; ~/.cache/wandb
+    and ~/.config/wandb otherwise); quiet, and pytest's stdout left alone."""
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_CACHE_DIR": str(root / "cache"),
+            "WANDB_CONFIG_DIR": str(root / "config"), "WANDB_DATA_DIR": str(root / "data"),
+            "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
+
+
 def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
@@ -81,10 +90,8 @@ def test_an_offline_wandb_run_gets_tensorboards_names_and_values(tmp_path, monke
 
     wandb_dir = tmp_path / "wandb_dir"
     wandb_dir.mkdir()
-    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run stays on disk
-    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's stdout alone
+    for name, value in offline_env(wandb_dir).items():  # no network: the run stays on disk
+        monkeypatch.setenv(name, value)
     config = dataclasses.asdict(validate(toy()))  # what train gives the run (make_metrics_writer)
     with MetricsWriter(tmp_path / "tb", loggers=parse_loggers("tensorboard,wandb"),
                        wandb_init={"project": "cleaner_jax", "name": "t", "dir": str(wandb_dir), "config": config}) as w:
@@ -182,8 +189,7 @@ def test_trainers_wandb_run_is_named_and_configured_from_the_run_config(tmp_path
 @pytest.mark.timeout(120)
 def test_wandb_alone_writes_no_event_file_but_still_metrics_jsonl(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)), ("WANDB_SILENT", "true"),
-                        ("WANDB_CONSOLE", "off")):
+    for name, value in offline_env(tmp_path).items():
         monkeypatch.setenv(name, value)
     with MetricsWriter(tmp_path / "tb", loggers=("wandb",), wandb_init={"dir": str(tmp_path)}) as w:
         w.write(1, {"reward/mean": 0.5})
@@ -210,7 +216,8 @@ def test_a_toy_training_run_logs_to_wandb_what_it_logs_to_tensorboard(tmp_path):
             "--config.sandbox.workers=2"]
     cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(root / "configs/toy.py"), "--workdir", str(wd),
            *tiny, "--config.train.loggers=tensorboard,wandb", "--config.train.wandb_name=toy"]
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {**os.environ, **offline_env(tmp_path)}
+    del env["WANDB_CONSOLE"]  # the run's own console (progress bars) as a user would have it
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     [wandb_file] = glob.glob(str(wd / "wandb" / "offline-run-*" / "run-*.wandb"))
