@@ -26,7 +26,7 @@ from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.sglang_answers import RolloutServerError
 
 IDLE_S = 0.5  # the server's keep-alive timeout (uvicorn under SGLang: 5 s)
-PAUSE_S = 1.0  # between the two requests: past the server's timeout
+PAUSE_S = 1.5  # between the two requests: past the server's timeout (1 s to spare on a busy box)
 ANSWER = {
     "text": "", "output_ids": [7, 8],
     "meta_info": {"id": "x", "finish_reason": {"type": "stop", "matched": 8}, "prompt_tokens": 1,
@@ -135,5 +135,5 @@ def test_a_keep_alive_shorter_than_the_servers_opens_a_fresh_connection():
     with no retry."""
     server, client, error = two_steps(keepalive_s=IDLE_S / 2)
     assert error is None
-    assert server.paths == ["/generate", "/generate"] and server.connections == 2 and server.idle_closes == 1
+    assert server.paths == ["/generate", "/generate"] and server.connections == 2  # a fresh one for the second
     assert client.take_counters() == {}
