@@ -39,7 +39,7 @@ from cleaner_jax.models import compile_cache, sharding
 from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rollout.client import SGLangClient
-from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet
+from cleaner_jax.rollout.fleet import EMBEDDED_MAX_BATCH, EmbeddedServerProcess, RolloutFleet
 from cleaner_jax.rollout.weight_sync import check_context_budget
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -270,6 +270,19 @@ def make_mesh(config: RunConfig) -> Mesh:
     return sharding.make_mesh(fsdp, tp, devices=devices[: fsdp * tp])
 
 
+def connection_pool(config: RunConfig) -> int:
+    """HTTP connections of one trainer process to the rollout servers: `rollout.max_connections`,
+    or one per concurrent trajectory of a step."""
+    return config.rollout.max_connections or config.algo.prompts_per_step * config.algo.group_size
+
+
+def embedded_max_batch(config: RunConfig, processes: int) -> int:
+    """The embedded server's batch width: at most one row per connection of every trainer process
+    (a wider batch would only be padding, which the batch-invariant layout runs at every step),
+    and at most EMBEDDED_MAX_BATCH."""
+    return min(connection_pool(config) * processes, EMBEDDED_MAX_BATCH)
+
+
 @contextlib.contextmanager
 def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iterator[RolloutFleet]:
     """The run's rollout servers behind one client, supervised by a `RolloutFleet`. With
@@ -284,7 +297,7 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
     and broadcasts its URL; the others use it as an external server (process 0 restarts it if
     it dies; their fleets wait for it and re-admit it on the current weights)."""
     ro = config.rollout
-    pool = ro.max_connections or config.algo.prompts_per_step * config.algo.group_size
+    pool = connection_pool(config)
     opts = dict(timeout_s=ro.request_timeout_s, read_timeout_per_token_s=ro.read_timeout_per_token_s,
                 connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size)
     if ro.backend == "sglang":
@@ -296,6 +309,8 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
         yield RolloutFleet(SGLangClient([url], **opts), server_wait_s=ro.server_wait_s)
         return
     server = EmbeddedServerProcess(model_dir, dtype=config.model.compute_dtype, decode_backend=ro.decode_backend,
+                                   max_batch=embedded_max_batch(config, jax.process_count()),
+                                   batch_invariant=ro.batch_invariant,
                                    compilation_cache_dir=config.train.compilation_cache_dir)
     try:
         server.start()

@@ -13,7 +13,8 @@ from cleaner_jax.rollout.fleet import EmbeddedServerProcess
 
 
 def serve_one_request(model: Path, cache: Path) -> dict:
-    server = EmbeddedServerProcess(model, dtype="float32", decode_backend="auto", compilation_cache_dir=cache)
+    server = EmbeddedServerProcess(model, dtype="float32", decode_backend="auto", max_batch=8,
+                                   batch_invariant=True, compilation_cache_dir=cache)
     try:
         server.start()
         server.wait_ready_blocking(180)

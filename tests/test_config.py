@@ -271,6 +271,8 @@ def _set(c, **values):
     (dict(rollout__backend="sglang"), r"config\.rollout\.server_urls: backend=sglang needs at least one server URL"),
     (dict(rollout__backend="sglang", rollout__server_urls="http://h:1", rollout__decode_backend="xla"),
      r"config\.rollout\.decode_backend: 'xla' selects the embedded engine's kernels, but rollout\.backend='sglang'"),
+    (dict(rollout__backend="sglang", rollout__server_urls="http://h:1", rollout__batch_invariant=False),
+     r"config\.rollout\.batch_invariant: False sets the embedded engine's batch layout, but rollout\.backend='sglang'"),
     (dict(rollout__top_k=0), r"config\.rollout\.top_k: 0 is not allowed: use -1 \(off\) or k >= 1"),
     (dict(mesh__fsdp=0), r"config\.mesh\.fsdp: 0 is not allowed"),
     (dict(saar__logprob_mode="rollout", rollout__temperature=0.7), r"config\.saar\.logprob_mode: rollout mode "

@@ -60,7 +60,8 @@ def sandbox():
 @contextlib.contextmanager
 def servers(n: int, model=None):
     """`n` of our rollout servers as subprocesses on free loopback ports; always stopped."""
-    procs = [EmbeddedServerProcess(model or checkpoint(0), dtype="float32", decode_backend="auto") for _ in range(n)]
+    procs = [EmbeddedServerProcess(model or checkpoint(0), dtype="float32", decode_backend="auto",
+                                   max_batch=8, batch_invariant=True) for _ in range(n)]
     try:
         for p in procs:
             p.start()

@@ -94,7 +94,9 @@ def router_script(worker_urls: list[str], log_dir: Path, *extra: str):
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Two of our servers on checkpoint(0) and the router in front of them."""
-    procs = [EmbeddedServerProcess(checkpoint(0), dtype="float32", decode_backend="auto") for _ in range(2)]
+    # bucketed: every reused prefix token counts, which the routing checks read
+    procs = [EmbeddedServerProcess(checkpoint(0), dtype="float32", decode_backend="auto", max_batch=8,
+                                   batch_invariant=False) for _ in range(2)]
     log_dir = tmp_path_factory.mktemp("router-logs")
     try:
         for p in procs:

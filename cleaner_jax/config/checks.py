@@ -169,6 +169,9 @@ def check_combinations(r: RunConfig) -> None:
              "backend=sglang needs at least one server URL")
     _require(ro.backend == "embedded" or ro.decode_backend == "auto", "rollout.decode_backend",
              f"{ro.decode_backend!r} selects the embedded engine's kernels, but rollout.backend={ro.backend!r}")
+    _require(ro.backend == "embedded" or ro.batch_invariant, "rollout.batch_invariant",
+             f"False sets the embedded engine's batch layout, but rollout.backend={ro.backend!r} (SGLang's "
+             "servers choose theirs: --enable-deterministic-inference)")
     _require(ro.top_k != 0, "rollout.top_k", "0 is not allowed: use -1 (off) or k >= 1")
     _require(r.mesh.fsdp != 0, "mesh.fsdp", "0 is not allowed: use -1 (all devices not used by tp) or a size >= 1")
     distributed.check(r.distributed)  # the learner processes: cross-key rules of the section

@@ -82,6 +82,10 @@ class RolloutConfig:
     server_urls: str = field("", help="comma-separated SGLang server URLs (backend=sglang)")
     decode_backend: Literal[DECODE_BACKENDS] = field(
         "auto", help="the embedded engine's decode kernels: auto (fastest that builds), xla, cpu_kernels")
+    batch_invariant: bool = field(
+        True, help="the embedded engine runs every batch at one width and prefills in fixed chunks, so a "
+        "request's tokens and log-probs do not depend on what it is batched with (an exact resume needs it; "
+        "docs/reliability.md). SGLang servers: their --enable-deterministic-inference instead")
     temperature = borrow(LearnerConfig, "temperature")
     top_p: float = field(1.0, gt=0.0, le=1.0, help="nucleus sampling of training rollouts")
     top_k: int = field(-1, ge=-1, help="top-k sampling; -1 = off")

@@ -9,20 +9,22 @@ One call of `Engine.generate_batch` runs a batch of requests of different length
    stopped, so Python runs once per chunk, not once per token (and aborts are seen between chunks);
 4. every row's KV (prompt + output[:-1]) goes back into the prefix cache.
 
-Shapes are padded to power-of-two buckets (batch, prompt, cache) so XLA compiles rarely.
+Shapes are padded to power-of-two buckets (batch, prompt, cache) so XLA compiles rarely; with
+`batch_invariant=True` every batch runs at the full width and step 2 prefills in fixed-size chunks,
+so a request's numbers do not depend on what else is batched with it (`batch_plan.py`).
 The jitted programs are in `programs.py`; both run the model with the engine's decode backend as
 its `ops` (`decode_backend.py`: `"auto"`, `"xla"` or `"cpu_kernels"`, chosen by the constructor
 and closed over by the programs). Sampling semantics are SGLang's (see sampling.py and docs/sglang_api.md §1.3, §3.3).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -30,6 +32,7 @@ from cleaner_jax.models import params, qwen
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout import decode_backend as backends
 from cleaner_jax.rollout import programs
+from cleaner_jax.rollout.batch_plan import Batch, bucket, plan_batch
 from cleaner_jax.rollout.prefix_cache import PrefixCache
 from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 
@@ -40,18 +43,6 @@ MEMORY_TAGS = ("weights", "kv_cache")
 class MemoryReleasedError(RuntimeError):
     """The engine was asked to generate or load weights while its memory is released
     (`release_memory`); the caller must `resume_memory` first (→ HTTP 400 on the server)."""
-
-
-def bucket(n: int, minimum: int, step: int = 256) -> int:
-    """Padded size for n: a power of two up to `step`, then a multiple of `step`.
-
-    Powers of two keep small shapes few; linear steps above keep padding waste (and attention
-    over empty cache slots) under `step` for long sequences. Each distinct size compiles once.
-    """
-    n = max(n, minimum, 1)
-    if n <= step:
-        return 1 << (n - 1).bit_length()
-    return -(-n // step) * step
 
 
 def read_eos_ids(model_path: str | Path) -> tuple[int, ...]:
@@ -76,24 +67,6 @@ def read_default_sampling(model_path: str | Path) -> SamplingParams:
     return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
 
 
-@dataclasses.dataclass
-class _Batch:
-    """One padded batch as the jitted programs take it, with what the results need back."""
-
-    reqs: list[GenRequest]
-    tokens: np.ndarray  # [B, T] int32 uncached prompt tails, right-padded
-    mask: np.ndarray  # [B, T] int32
-    params: programs.RowParams
-    seeds: np.ndarray  # [B] uint32
-    cached: np.ndarray  # [B] int32 prompt tokens taken from the prefix cache
-    entries: list[Any]  # per request: its prefix-cache entry, or None
-    cache_len: int  # S, slots of the batch KV cache
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[0]
-
-
 class Engine:
     """A loaded model plus compiled prefill/decode programs and a prefix cache.
 
@@ -110,10 +83,18 @@ class Engine:
         prefix_cache_tokens: int = 1 << 17,
         seed: int = 0,
         decode_backend: str | Ops = "auto",
+        batch_invariant: bool = False,
+        prefill_chunk: int = 64,
     ) -> None:
         """`dtype`: parameter and compute dtype. `decode_backend`: a name of
         `decode_backend.DECODE_BACKENDS` (resolved for this model's compute dtype; "auto" takes
-        the C++ CPU kernels where they apply and build) or an already resolved `Ops`."""
+        the C++ CPU kernels where they apply and build) or an already resolved `Ops`.
+        `batch_invariant`: run every batch at width `max_batch`, prefill in chunks of
+        `prefill_chunk` tokens and keep only prefilled KV in the prefix cache, so that a request's
+        tokens and log-probs are the same whatever it is batched with (`batch_plan.py`)."""
+        if max_batch < 1 or decode_chunk < 1 or prefill_chunk < 1:
+            raise ValueError(f"Engine: max_batch={max_batch}, decode_chunk={decode_chunk} and "
+                             f"prefill_chunk={prefill_chunk} must be at least 1")
         self.model_path = str(model_path)
         model = params.from_pretrained(model_path, dtype=dtype)
         self.config = model.config
@@ -131,6 +112,8 @@ class Engine:
         self.context_length = self.config.max_position_embeddings
         self.max_batch = max_batch
         self.decode_chunk = decode_chunk
+        self.batch_invariant = batch_invariant
+        self.prefill_chunk = prefill_chunk
         self.weight_version = "default"
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self._released: set[str] = set()  # MEMORY_TAGS now released
@@ -152,6 +135,19 @@ class Engine:
             static_argnums=(3,),
             donate_argnums=(1,),
         )
+        self._prefill_chunk = jax.jit(
+            lambda state, cache, tokens, mask, h_last, is_final: programs.prefill_chunk(
+                graphdef, ops, state, cache, tokens, mask, h_last, is_final),
+            donate_argnums=(1,),
+        )
+        self._first_token = jax.jit(
+            lambda state, cache, h_last, params, seeds: programs.first_token(
+                graphdef, ops, state, cache, h_last, params, seeds),
+            donate_argnums=(1,),
+        )
+        self._chunk_prompt_lp = jax.jit(
+            lambda state, h_prev, h, tokens, params: programs.chunk_prompt_logprobs(
+                graphdef, ops, state, h_prev, h, tokens, params))
 
     # ----------------------------------------------------------------------------- weights
 
@@ -333,12 +329,19 @@ class Engine:
         return sorted(set(self.eos_ids) | set(s.stop_token_ids))
 
     def _generate_locked(self, reqs: list[GenRequest]) -> list[GenResult]:
-        batch = self._plan(reqs)
+        if self.batch_invariant:
+            batch = plan_batch(reqs, self.prefix_cache, self._stop_ids, self._seeds, width=self.max_batch,
+                               prefill_chunk=self.prefill_chunk)
+        else:
+            batch = plan_batch(reqs, self.prefix_cache, self._stop_ids, self._seeds, width=None, prefill_chunk=None)
         cache = self._batch_cache(batch)
         want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
-        ds, first_lp, prompt_lp = self._prefill(
-            self._state, cache, batch.tokens, batch.mask, batch.params, batch.seeds, want_prompt_lp
-        )
+        if self.batch_invariant:
+            ds, first_lp, prompt_lp = self._prefill_in_chunks(batch, cache, want_prompt_lp)
+        else:
+            ds, first_lp, prompt_lp = self._prefill(
+                self._state, cache, batch.tokens, batch.mask, batch.params, batch.seeds, want_prompt_lp
+            )
         first_tok, first_lp, done = jax.device_get((ds.last, first_lp, ds.done))
         max_new = batch.params.max_new
         out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(len(reqs))]
@@ -348,53 +351,30 @@ class Engine:
         self._cache_prefixes(batch, ds.cache, out_ids)
         return results
 
-    def _plan(self, reqs: list[GenRequest]) -> _Batch:
-        """Prefix-cache lookups and the padded host arrays of one batch."""
-        n_req = len(reqs)
-        b = bucket(n_req, 1)
-        cached = np.zeros(b, np.int32)
-        entries = []
-        for i, req in enumerate(reqs):
-            # The last prompt token is always recomputed (its logits start the output); with
-            # prompt log-probs from `s`, logits from position s on are needed (SGLang's rule).
-            s = req.logprob_start_len
-            limit = len(req.input_ids) - 1 if s < 0 else min(s, len(req.input_ids) - 1)
-            entry, cached[i] = self.prefix_cache.lookup(req.input_ids, limit)
-            entries.append(entry if cached[i] > 0 else None)
-        rem = [len(r.input_ids) - int(c) for r, c in zip(reqs, cached)]
-        t = bucket(max(rem), 16, step=128)
-        # Slots needed: prompt + max_new - 1 (the last sampled token is never fed back). Prefill
-        # padding past the end is dropped by the model's scatter, so S need not cover cached + T.
-        s_len = bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs), 64)
-        stop_lists = [self._stop_ids(r.sampling) for r in reqs]
-        m = max(1, max(len(x) for x in stop_lists))
-        tokens = np.zeros((b, t), np.int32)
-        mask = np.zeros((b, t), np.int32)
-        stop_ids = np.full((b, m), -1, np.int32)
-        temp = np.zeros(b, np.float32)
-        top_p = np.ones(b, np.float32)
-        top_k = np.full(b, -1, np.int32)
-        min_p = np.zeros(b, np.float32)
-        max_new = np.zeros(b, np.int32)
-        prompt_temp = np.zeros(b, np.float32)
-        seeds = self._seeds.integers(0, 2**31 - 1, size=b).astype(np.uint32)
-        for i, req in enumerate(reqs):
-            rest = req.input_ids[cached[i]:]
-            tokens[i, : len(rest)] = rest
-            mask[i, : len(rest)] = 1
-            stop_ids[i, : len(stop_lists[i])] = stop_lists[i]
-            sp = req.sampling
-            temp[i], top_p[i], top_k[i], min_p[i] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
-            max_new[i] = sp.max_new_tokens
-            prompt_temp[i] = req.prompt_logprob_temperature
-            if sp.sampling_seed is not None:
-                seeds[i] = sp.sampling_seed % (2**32)
-        mask[n_req:, 0] = 1  # padding rows: one dummy token, nothing generated
-        # NumPy inputs go to the jitted programs as they are: one transfer each, no eager ops.
-        params = programs.RowParams(temp, top_p, top_k, min_p, max_new, stop_ids, prompt_temp)
-        return _Batch(list(reqs), tokens, mask, params, seeds, cached, entries, s_len)
+    def _prefill_in_chunks(
+        self, batch: Batch, cache: qwen.KVCache, want_prompt_lp: bool
+    ) -> tuple[programs.DecodeState, Any, np.ndarray | None]:
+        """The batch-invariant prefill: chunk after chunk of `prefill_chunk` tokens (every row
+        through the same [max_batch, prefill_chunk] program; rows whose prompt has ended sit
+        idle), then the first tokens. Returns what `programs.prefill` returns."""
+        c = self.prefill_chunk
+        n_chunks = batch.tokens.shape[1] // c
+        final_chunk = (batch.mask.sum(-1) - 1) // c  # [B]: the chunk holding each row's last token
+        h_last = jnp.zeros((batch.width, self.config.hidden_size), self.config.compute_dtype)
+        h_prev = h_last
+        chunk_lps = []
+        for j in range(n_chunks):
+            cols = slice(j * c, (j + 1) * c)
+            cache, h_last, h = self._prefill_chunk(self._state, cache, batch.tokens[:, cols], batch.mask[:, cols],
+                                                    h_last, final_chunk == j)
+            if want_prompt_lp:
+                chunk_lps.append(self._chunk_prompt_lp(self._state, h_prev, h, batch.tokens[:, cols], batch.params))
+                h_prev = h[:, -1]
+        ds, first_lp = self._first_token(self._state, cache, h_last, batch.params, batch.seeds)
+        prompt_lp = np.concatenate(jax.device_get(chunk_lps), axis=1) if want_prompt_lp else None  # [B, T]
+        return ds, first_lp, prompt_lp
 
-    def _batch_cache(self, batch: _Batch) -> qwen.KVCache:
+    def _batch_cache(self, batch: Batch) -> qwen.KVCache:
         """A fresh batch KV cache holding each row's reused prefix."""
         cache = programs.init_cache(self.config, batch.width, batch.cache_len)
         k, v = cache.k, cache.v
@@ -404,7 +384,7 @@ class Engine:
         return qwen.KVCache(k, v, batch.cached)
 
     def _decode_until_done(
-        self, ds: programs.DecodeState, done: np.ndarray, batch: _Batch, out_ids: list[list[int]], out_lps: list[list[float]]
+        self, ds: programs.DecodeState, done: np.ndarray, batch: Batch, out_ids: list[list[int]], out_lps: list[list[float]]
     ) -> tuple[programs.DecodeState, set[str]]:
         """Decode chunk by chunk until every row stops (`done` [B]: ds.done on the host),
         appending to out_ids / out_lps; aborts are applied between chunks. Returns the final
@@ -428,7 +408,7 @@ class Engine:
         return ds, aborted
 
     def _result(
-        self, batch: _Batch, i: int, ids: list[int], lps: list[float], prompt_lp: Any, aborted: set[str]
+        self, batch: Batch, i: int, ids: list[int], lps: list[float], prompt_lp: Any, aborted: set[str]
     ) -> GenResult:
         req, cached = batch.reqs[i], int(batch.cached[i])
         if req.rid in aborted:
@@ -449,11 +429,15 @@ class Engine:
             weight_version=self.weight_version, input_logprobs=input_lps,
         )
 
-    def _cache_prefixes(self, batch: _Batch, cache: qwen.KVCache, out_ids: list[list[int]]) -> None:
-        """Every row's KV (prompt + output[:-1]) into the prefix cache."""
+    def _cache_prefixes(self, batch: Batch, cache: qwen.KVCache, out_ids: list[list[int]]) -> None:
+        """Every row's KV (prompt + output[:-1]) into the prefix cache; batch-invariant, the
+        prompt's only. Decode computes a token's KV in another program than the prefill would, so
+        reusing it would make a later prompt's numbers depend on whether the entry was still
+        cached; prefilled KV is the same whichever request computed it, or if it is recomputed."""
         lengths = np.asarray(jax.device_get(cache.lengths))
         for i, req in enumerate(batch.reqs):
-            kv_tokens = np.asarray(list(req.input_ids) + out_ids[i], np.int32)[: int(lengths[i])]
+            kept = len(req.input_ids) if self.batch_invariant else int(lengths[i])
+            kv_tokens = np.asarray(list(req.input_ids) + out_ids[i], np.int32)[:min(kept, int(lengths[i]))]
             if len(kv_tokens) > 0:
                 ek, ev = programs.read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)

@@ -59,6 +59,10 @@ class CurrentWeights:
     probe: dict[str, Any]
 
 
+# The embedded server's widest batch (its engine's `max_batch`) when the trainer has more connections.
+EMBEDDED_MAX_BATCH = 64
+
+
 def free_loopback_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,11 +76,14 @@ class EmbeddedServerProcess:
     Its output goes to an unlinked temporary file (nothing is left behind, whatever happens);
     when the server dies, the tail of that output is logged with the restart (the post-mortem)."""
 
-    def __init__(self, model_path: str | Path, *, dtype: str, decode_backend: str, port: int | None = None,
+    def __init__(self, model_path: str | Path, *, dtype: str, decode_backend: str, max_batch: int,
+                 batch_invariant: bool, port: int | None = None,
                  compilation_cache_dir: str | Path | None = None) -> None:
         self.model_path = str(model_path)
         self.dtype = dtype
         self.decode_backend = decode_backend
+        self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
         self.compilation_cache_dir = compilation_cache_dir  # the trainer's (train.compilation_cache_dir)
         self.port = port or free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -92,7 +99,10 @@ class EmbeddedServerProcess:
             raise RuntimeError(f"embedded rollout server {self.url} (pid {self.proc.pid}) is already running")
         cmd = [sys.executable, "-m", "cleaner_jax.rollout.server", "--model-path", self.model_path,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-               "--decode-backend", self.decode_backend, "--exit-with-parent", str(os.getpid())]
+               "--decode-backend", self.decode_backend, "--max-batch", str(self.max_batch),
+               "--exit-with-parent", str(os.getpid())]
+        if self.batch_invariant:
+            cmd.append("--batch-invariant")
         if self.compilation_cache_dir is not None:
             cmd += ["--compilation-cache-dir", str(self.compilation_cache_dir)]
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

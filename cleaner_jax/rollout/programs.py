@@ -41,7 +41,6 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)  # [B]
 
 
-
 def prefill(graphdef, ops: Ops, state, cache, tokens, mask, params: RowParams, seeds, want_prompt_lp: bool):
     """Forward the uncached prompt tails [B, T] and sample each row's first token."""
     model = nnx.merge(graphdef, state)
@@ -55,16 +54,59 @@ def prefill(graphdef, ops: Ops, state, cache, tokens, mask, params: RowParams, s
         last = logits[jnp.arange(b), last_pos]  # [B, V]
     else:
         last = model.logits(h[jnp.arange(b), last_pos], ops)  # [B, V]
-    keys = jax.vmap(jax.random.key)(seeds)
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
-    tok, lp = sampling.sample_tokens(step_keys, last, params.temperature, params.top_p, params.top_k, params.min_p)
-    count = (params.max_new > 0).astype(jnp.int32)
-    done = (params.max_new <= 1) | is_stop(tok, params.stop_ids)
+    tok, lp, done, count, keys = _first_token(last, params, seeds)
     # SGLang's prompt log-probs are untempered whatever the request's temperature (prompt_temp 0).
     prompt_lp = None  # [B, T] position-aligned: entry t scores tokens[:, t]
     if want_prompt_lp:
         prompt_lp = token_logprobs_from_logits(logits, tokens, jnp.where(params.prompt_temp > 0, params.prompt_temp, 1.0))
     return DecodeState(cache, tok, done, count, keys), lp, prompt_lp
+
+
+def _first_token(last_logits, params: RowParams, seeds):
+    """Sample each row's first token from the logits of its last prompt token [B, V]."""
+    b = last_logits.shape[0]
+    keys = jax.vmap(jax.random.key)(seeds)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.zeros((b,), jnp.int32))
+    tok, lp = sampling.sample_tokens(step_keys, last_logits, params.temperature, params.top_p, params.top_k, params.min_p)
+    count = (params.max_new > 0).astype(jnp.int32)
+    done = (params.max_new <= 1) | is_stop(tok, params.stop_ids)
+    return tok, lp, done, count, keys
+
+
+# ------------------------------------------------------------------- the batch-invariant prefill
+# Fixed-shape pieces (`rollout/batch_plan.py` says why): a prompt is prefilled chunk by chunk,
+# each chunk [B, C] through the same program, then the first token is sampled from the hidden
+# state of each row's last prompt token, and prompt log-probs (when asked) are scored chunk by
+# chunk. The chunk program returns hidden states only, so asking for prompt log-probs in one row
+# cannot change how the others are computed.
+
+def prefill_chunk(graphdef, ops: Ops, state, cache, tokens, mask, h_last, is_final):
+    """Forward one chunk [B, C] of the prompt tails into the cache. `h_last` [B, H] keeps, per
+    row, the final-normed hidden state of its last prompt token: taken from this chunk where
+    `is_final` [B] (the row's last real token lies in it). Returns (cache, h_last, h [B, C, H])."""
+    model = nnx.merge(graphdef, state)
+    b = tokens.shape[0]
+    h, cache = model.hidden_states(tokens, attention_mask=mask, cache=cache, ops=ops)  # [B, C, H]
+    last_pos = jnp.maximum(mask.sum(-1) - 1, 0)  # [B]; rows idle in this chunk are not final
+    h_last = jnp.where(is_final[:, None], h[jnp.arange(b), last_pos], h_last)
+    return cache, h_last, h
+
+
+def first_token(graphdef, ops: Ops, state, cache, h_last, params: RowParams, seeds):
+    """The decode state after a chunked prefill: each row's first token sampled from `h_last`."""
+    model = nnx.merge(graphdef, state)
+    tok, lp, done, count, keys = _first_token(model.logits(h_last, ops), params, seeds)  # logits [B, V]
+    return DecodeState(cache, tok, done, count, keys), lp
+
+
+def chunk_prompt_logprobs(graphdef, ops: Ops, state, h_prev, h, tokens, params: RowParams):
+    """[B, C]: entry t scores tokens[:, t] from the hidden state before it (h[:, t-1], or `h_prev`
+    [B, H], the previous chunk's last, for t = 0), under the row's prompt temperature (0 = raw)."""
+    model = nnx.merge(graphdef, state)
+    hs = jnp.concatenate([h_prev[:, None], h], axis=1)  # [B, C+1, H]
+    ids = jnp.concatenate([jnp.zeros_like(tokens[:, :1]), tokens], axis=1)  # [B, C+1]
+    temp = jnp.where(params.prompt_temp > 0, params.prompt_temp, 1.0)
+    return token_logprobs_from_logits(model.logits(hs, ops), ids, temp)[:, 1:]
 
 
 def decode(graphdef, ops: Ops, state, ds: DecodeState, params: RowParams, chunk: int):

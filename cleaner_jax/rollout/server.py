@@ -174,6 +174,7 @@ async def get_server_info(_: web.Request, state: ServerState) -> web.Response:
         **_model_info(eng), "version": SERVER_VERSION, "context_length": eng.context_length,
         "vocab_size": eng.vocab_size, "max_running_requests": eng.max_batch,
         "decode_chunk": eng.decode_chunk, "dtype": eng.dtype, "decode_backend": eng.decode_backend.name,
+        "batch_invariant": eng.batch_invariant, "prefill_chunk": eng.prefill_chunk,
         "enable_memory_saver": True,  # /release_memory_occupation works (SGLang needs the flag)
         "internal_states": [{"prefix_cache_entries": len(eng.prefix_cache),
                              "prefix_cache_tokens": eng.prefix_cache.num_tokens,
@@ -463,6 +464,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-chunk", type=int, default=32)
     parser.add_argument("--prefix-cache-tokens", type=int, default=1 << 17)
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="run every batch at --max-batch rows and prefill in --prefill-chunk token chunks, "
+                             "so a request's tokens and log-probs do not depend on what it is batched with "
+                             "(cleaner_jax/rollout/batch_plan.py)")
+    parser.add_argument("--prefill-chunk", type=int, default=64, help="prefill chunk of --batch-invariant")
     parser.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                         help="exit as soon as process PID is no longer this server's parent (the trainer that "
                              "started it as its embedded server died, even by SIGKILL)")
@@ -480,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, decode_backend=args.decode_backend,
         max_batch=args.max_batch,
         decode_chunk=args.decode_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+        batch_invariant=args.batch_invariant, prefill_chunk=args.prefill_chunk,
     )
     log.info("serving %s at %s", args.model_path, handle.url)
     try:
