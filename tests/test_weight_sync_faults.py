@@ -295,7 +295,9 @@ def test_trainer_stops_loudly_after_writing_a_checkpoint_when_the_sync_fails(tmp
         cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"), "--workdir", str(wd),
                "--config.train.steps=2", "--config.warmup_sft.steps=0", "--config.algo.prompts_per_step=2",
                "--config.algo.group_size=2", "--config.algo.micro_batch_size=4", "--config.train.eval_every=0",
-               "--config.train.checkpoint_every=10", "--config.sandbox.workers=1", "--config.rollout.backend=sglang",
+               # no step-0 evaluation (the toy's 128 held-out problems x 4 samples, half the run's time on a
+               # 2-core box): the test is about step 1's sync, and checks no evaluation
+               "--config.train.eval_before_train=False", "--config.train.checkpoint_every=10", "--config.sandbox.workers=1", "--config.rollout.backend=sglang",
                f"--config.rollout.server_urls={server.url}"]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-4000:]
