@@ -175,6 +175,9 @@ def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
     want.update({"splice/token_frac": 0.0, "splice/shallow/token_frac": 0.0, "splice/deep/token_frac": 0.0})
     want.update({f"splice/{kind}log_ratio_{s}": float("nan") for kind in ("", "shallow/", "deep/")
                  for s in ("mean", "p5", "p50", "p95")})
+    # positive advantages: rows 0 and 2, 5 + 4 policy tokens; no failed call, nothing spliced
+    want.update({"credit/pos_adv_tokens": 9.0, "credit/pos_adv_failed_call_frac": 0.0,
+                 "credit/pos_adv_spliced_frac": 0.0})
     assert got.keys() == want.keys()
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9, nan_ok=True), k

@@ -14,7 +14,8 @@ from cleaner_jax.viz.run_plots import PLOTS, _error_rate, plot_run, read_metrics
 ROWS = {
     1: {"reward/mean": -0.5, "reward/acc": 0.25, "tool_calls/success_rate": 0.5, "tool_calls/total_attempts": 4.0,
         "tool/raw_error_rate": 0.6,
-        "adv/zero_adv_group_frac": 1.0, "learner/gap/abs_diff": 0.01},
+        "adv/zero_adv_group_frac": 1.0, "learner/gap/abs_diff": 0.01,
+        "credit/pos_adv_failed_call_frac": 0.3, "credit/pos_adv_spliced_frac": 0.0},
     2: {"reward/mean": 0.0, "reward/acc": 0.5, "tool_calls/success_rate": 0.0, "tool_calls/total_attempts": 0.0,
         "tool/raw_error_rate": 0.3,
         "adv/zero_adv_group_frac": 0.5, "learner/gap/abs_diff": float("nan")},
@@ -39,7 +40,8 @@ def test_plots_from_the_runs_scalars(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="cleaner_jax.viz.run_plots"):
         written = plot_run(tmp_path)
     names = {p.name for p in written}
-    assert names == {"reward.png", "accuracy.png", "tool_error_rate.png", "zero_adv_groups.png", "logprob_gap.png"}
+    assert names == {"reward.png", "accuracy.png", "tool_error_rate.png", "zero_adv_groups.png", "logprob_gap.png",
+                     "credit.png"}
     assert {p.name for p in (tmp_path / "plots").iterdir()} == names
     for skipped in set(PLOTS) - names:  # SAAR recovery and splice share: never written by this run
         assert any(f"plot {skipped} skipped" in r.getMessage() for r in caplog.records), skipped

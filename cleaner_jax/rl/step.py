@@ -40,6 +40,7 @@ import numpy as np
 from cleaner_jax import distributed, schema
 from cleaner_jax.rl.advantages import AdvantageResult, Estimator, Singleton, compute_advantages, overlong_penalty
 from cleaner_jax.rl.batch import Batch, from_trajectories
+from cleaner_jax.rl.credit import credit_metrics, credit_sums
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.logprob_gap import splice_metrics
 from cleaner_jax.trajectory import ScoredEpisode
@@ -253,6 +254,8 @@ def rl_step_outputs(learner: Learner, scored: Sequence[ScoredEpisode], cfg: Step
     out = minibatch_update(learner, batch, cfg.mini_batches)
     out.update(diagnostics)
     out.update(global_step_metrics(adv, rewards))
+    credit = credit_sums(scored, adv.advantages)
+    out.update(credit_metrics(credit if jax.process_count() == 1 else distributed.all_sum(credit)))
     # without_rows leaves old_logprobs as they were
     return StepOutputs(out, adv.advantages, episode_old_logprobs(scored, batch))
 

@@ -38,6 +38,9 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
         ("learner/gap/spliced/abs_diff", "spliced: learner/gap/spliced/abs_diff", "spliced")]),
     "zero_adv_groups.png": ("groups with all-zero advantages", "fraction of groups",
                             [("adv/zero_adv_group_frac", "adv/zero_adv_group_frac", "")]),
+    "credit.png": ("where positive credit goes (share of positive-advantage policy tokens)", "fraction", [
+        ("credit/pos_adv_failed_call_frac", "inside failed calls", ""),
+        ("credit/pos_adv_spliced_frac", "spliced by SAAR", "")]),
 }
 
 
