@@ -7,14 +7,27 @@ token buffers teaches the format. The result is saved as an HF directory so a re
 the rollout server) starts from it without redoing the fit. The directory is written whole or not
 at all (`params.save_pretrained` writes a hidden sibling and renames it), so a run killed during the
 warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/reliability.md, row 3).
+
+The fit (`fit`) runs `STEPS_PER_CALL` NLL updates per compiled call: a `lax.scan` of the learner's
+own `rl.update.train_step` over that many pre-stacked batches, whose rows are drawn up front by
+the same generator calls as one `Learner.train_step` per step drew them, so the updates (and the
+loss curve) are the step-by-step loop's up to float rounding (tests/test_warm_start_fit.py). On
+the toy's 124k-parameter model a step is ~0.3 s of CPU compute, and the per-call host work
+(static-argument hashing, batch checks and placement, a blocking metrics fetch) was a quarter
+to half of it on a busy 2-core box; bench/warm_start_speed.py measures both paths.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any, Callable
+
+import jax
 
 import numpy as np
 from tqdm import tqdm
@@ -26,10 +39,11 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.config import RunConfig
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.models import params
-from cleaner_jax.rl.batch import from_trajectories
+from cleaner_jax.rl.batch import Batch, from_trajectories, validate_batch
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
+from cleaner_jax.rl.update import Layout, make_optimizer, train_step
 from cleaner_jax.toy import task as toy_task
 
 log = logging.getLogger(__name__)
@@ -53,6 +67,84 @@ async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent
     return [ep.raw.flatten() for ep in episodes]
 
 
+STEPS_PER_CALL = 25  # NLL updates per compiled call (800 steps: 32 calls); the result does not depend on it
+
+
+def batch_rows(num_demos: int, steps: int, batch_size: int, seed: int) -> np.ndarray:
+    """[steps, batch_size] demonstration indices of every step, drawn without replacement within
+    a step: the draws the step-by-step loop made (one `rng.choice` per step, in order)."""
+    rng = np.random.default_rng(seed)
+    return np.asarray([rng.choice(num_demos, size=batch_size, replace=False) for _ in range(steps)],
+                      np.int64).reshape(steps, batch_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"),
+                   donate_argnames=("params", "opt_state"))
+def _train_steps(params: Any, rest: Any, opt_state: Any, scaler: Any, batches: Batch, *, graphdef: Any,
+                 cfg: LearnerConfig, layout: Layout | None, loss_scaling: bool) -> Any:
+    """`Learner.train_step`'s jitted update (`rl.update.train_step`) once per leading index of
+    `batches` ([K, B, T] fields), in order; metrics stacked [K]."""
+    tx = make_optimizer(cfg.optimizer)
+
+    def body(carry: tuple[Any, Any, Any], batch: Batch) -> tuple[tuple[Any, Any, Any], dict[str, jax.Array]]:
+        p, o, s = carry
+        p, o, s, metrics = train_step(graphdef, tx, cfg, p, rest, o, s, batch, loss_scaling=loss_scaling)[:4]
+        if layout is not None:  # parameters and moments stay where they were, as in jit_train_step
+            p, o = jax.lax.with_sharding_constraint((p, o), layout.tree())
+        return (p, o, s), metrics
+
+    (params, opt_state, scaler), metrics = jax.lax.scan(body, (params, opt_state, scaler), batches)
+    return params, opt_state, scaler, metrics
+
+
+def fit(learner: Learner, batch: Batch, rows: np.ndarray, steps_per_call: int = STEPS_PER_CALL,
+        on_steps: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+    """One optimizer update of `learner` per row of `rows` ([steps, B] indices into `batch`), the
+    same updates as ``for r in rows: learner.train_step(batch.rows(r))`` up to float rounding, run
+    `steps_per_call` at a time in one compiled call; returns the per-step losses [steps].
+    `on_steps(losses)` is called with each call's losses (a progress bar). The learner must be
+    one process's, without length bucketing, and `B` its micro_batch_size's multiple."""
+    if learner.cfg.widths or learner.processes > 1:
+        raise ValueError("warm_start.fit: needs a one-process learner without length bucketing (bucket_widths='')")
+    host = validate_batch(batch)
+    steps = len(rows)
+    if steps and rows.shape[1] % learner.cfg.micro_batch_size:
+        raise ValueError(f"warm_start.fit: batch size {rows.shape[1]} is not a multiple of micro_batch_size "
+                         f"{learner.cfg.micro_batch_size}")
+    mesh = learner.mesh
+    layout = Layout.of((learner.params, learner.opt_state)) if mesh is not None else None
+    static = dict(graphdef=learner.graphdef, cfg=learner.cfg, layout=layout, loss_scaling=learner.loss_scaling)
+    losses: list[np.ndarray] = []
+    pending: list[dict[str, jax.Array]] = []
+
+    def collect(metrics: dict[str, jax.Array]) -> None:  # one fetch per call, after the next was dispatched
+        m = jax.device_get(metrics)
+        for skipped in np.asarray(m["skipped"]):  # the learner's counters, as train_step keeps them
+            if skipped:
+                learner.skipped_calls.append(learner.calls)
+                learner.skipped_steps += 1
+                learner.consecutive_skips += 1
+            else:
+                learner.step += 1
+                learner.consecutive_skips = 0
+            learner.calls += 1
+        losses.append(np.asarray(m["loss"], np.float32))
+        if on_steps is not None:
+            on_steps(losses[-1])
+
+    with jax.set_mesh(mesh) if mesh is not None else nullcontext():
+        for start in range(0, steps, steps_per_call):
+            stacked = jax.tree.map(lambda x: x[rows[start:start + steps_per_call]], host)  # [K, B, ...]
+            learner.params, learner.opt_state, learner.scaler, metrics = _train_steps(
+                learner.params, learner.rest, learner.opt_state, learner.scaler, stacked, **static)
+            if pending:
+                collect(pending.pop())
+            pending.append(metrics)
+        if pending:
+            collect(pending.pop())
+    return np.concatenate(losses) if losses else np.zeros(0, np.float32)
+
+
 def warm_start(model_dir: Path, out_dir: Path, config: RunConfig, chat: ChatFormat,
                executor: ToolExecutor, agent: AgentConfig, mesh) -> Path:
     """Fit `model_dir` on teacher demonstrations; write the result to `out_dir` (HF format)."""
@@ -73,13 +165,13 @@ def warm_start(model_dir: Path, out_dir: Path, config: RunConfig, chat: ChatForm
         loss=LossConfig(kind="nll"),
         optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
         micro_batch_size=cfg.batch_size, logprob_chunk_size=config.algo.logprob_chunk), mesh)
-    rng = np.random.default_rng(config.train.seed)
-    bar = tqdm(range(cfg.steps), desc="warm start (NLL on teacher demos)", unit="step")
-    for _ in bar:
-        rows = rng.choice(len(demos), size=cfg.batch_size, replace=False)
-        metrics = learner.train_step(batch.rows(rows))
-        bar.set_postfix(nll=f"{metrics['loss']:.3f}")
+    rows = batch_rows(len(demos), cfg.steps, cfg.batch_size, config.train.seed)
+    with tqdm(total=cfg.steps, desc="warm start (NLL on teacher demos)", unit="step") as bar:
+        def progress(losses: np.ndarray) -> None:
+            bar.update(len(losses))
+            bar.set_postfix(nll=f"{losses[-1]:.3f}")
+        losses = fit(learner, batch, rows, on_steps=progress)
     out = params.save_pretrained(learner.model(), out_dir, tokenizer_from=model_dir)
     learner.close()
-    log.info("warm start: final NLL %.3f after %d steps -> %s", metrics["loss"], cfg.steps, out)
+    log.info("warm start: final NLL %.3f after %d steps -> %s", losses[-1], cfg.steps, out)
     return out
