@@ -11,6 +11,7 @@ from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.losses import LossOutput
 from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
                                  rl_step_outputs, shaped_rewards, with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -107,9 +108,11 @@ class RecordingLearner:
     def __init__(self):
         self.seen = []
 
-    def train_step(self, batch):
+    def update(self, batch):
+        """A loss of sum(advantages) over the block's rows, as sums, and a per-update lr."""
         self.seen.append(np.asarray(batch.advantages).copy())
-        return {"loss": float(np.sum(batch.advantages)), "lr": 0.1 * len(self.seen)}
+        sums = LossOutput(np.float32(np.sum(batch.advantages)), np.float32(batch.num_rows), {}, {}, {})
+        return {"loss": float(np.sum(batch.advantages)) / batch.num_rows, "lr": 0.1 * len(self.seen)}, sums
 
 
 def test_minibatch_update_averages_over_consecutive_blocks():
@@ -118,7 +121,8 @@ def test_minibatch_update_averages_over_consecutive_blocks():
     learner = RecordingLearner()
     m = minibatch_update(learner, b, mini_batches=4)
     assert [list(a) for a in learner.seen] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert m == {"learner/loss": pytest.approx((1 + 5 + 9 + 13) / 4), "learner/lr": pytest.approx(0.25)}
+    # the loss over all 8 rows' sums (0 + 1 + ... + 7) / 8; the lr the mean of the 4 updates'
+    assert m == {"learner/loss": pytest.approx(28 / 8), "learner/lr": pytest.approx(0.25)}
     with pytest.raises(ValueError, match="do not split into mini_batches=3"):
         minibatch_update(learner, b, mini_batches=3)
 
@@ -166,9 +170,15 @@ def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
                   correct=np.array([1, 0, 1, 0], np.float32))
     old = hand.logprobs(ids, attn) if mode == "recompute" else rollout
     batch = dataclasses.replace(batch, old_logprobs=old)
-    m1, m2 = hand.train_step(batch.rows(slice(0, 2))), hand.train_step(batch.rows(slice(2, 4)))
+    (m1, p1), (m2, p2) = hand.update(batch.rows(slice(0, 2))), hand.update(batch.rows(slice(2, 4)))
 
+    # per-update values: the mean of the two updates; per-token metrics: both updates' sums over
+    # both counts; maxima: the larger; the loss: both loss sums over both denominators
     want = {f"learner/{k}": (m1[k] + m2[k]) / 2 for k in m1}
+    want.update({f"learner/{k}": (float(p1.sums[k]) + float(p2.sums[k])) / max(float(p1.counts[k] + p2.counts[k]), 1.0)
+                 for k in p1.sums})
+    want.update({f"learner/{k}": max(float(p1.maxes[k]), float(p2.maxes[k])) for k in p1.maxes})
+    want["learner/loss"] = float(p1.loss_sum + p2.loss_sum) / max(float(p1.loss_count + p2.loss_count), 1.0)
     want.update({"adv/zero_adv_group_frac": 0.0, "adv/num_groups": 2.0, "adv/num_invalid": 1.0,
                  "reward/mean": 1 / 3})
     # no spliced token: shares 0, log-ratio statistics undefined (NaN); the learner's spliced gap 0
@@ -298,9 +308,9 @@ class FakeLearner:
     def add_old_logprobs(self, batch):
         return dataclasses.replace(batch, old_logprobs=np.zeros_like(batch.rollout_logprobs))
 
-    def train_step(self, batch):
+    def update(self, batch):
         self.batches.append(batch)
-        return {"tokens": float(np.sum(batch.loss_mask))}
+        return {"tokens": float(np.sum(batch.loss_mask))}, LossOutput(np.float32(0), np.float32(1), {}, {}, {})
 
 
 def options_episodes():
@@ -352,3 +362,28 @@ def test_step_keys_reach_the_step_config():
         wiring.step_config(validate(c), pad_id=0)
     with pytest.raises(ValueError, match=r"StepConfig\.singleton: 'none' is not allowed"):
         StepConfig(max_response_tokens=8, singleton="none")
+
+
+def test_a_mini_batch_without_spliced_tokens_does_not_dilute_the_spliced_gap(ckpt):
+    """Two mini-batches, spliced tokens only in the first: `learner/gap/spliced/*` is the first
+    one's alone (it was the mean with the second's 0/0 = 0, i.e. halved), and the maxima are the
+    largest over both. Old log-probs are given, so every gap is |old - rollout|, hand-computed."""
+    ids = np.tile(np.arange(3, 13, dtype=np.int32), (4, 1))  # [4, 10]
+    attn = np.ones((4, 10), np.float32)
+    loss = np.zeros((4, 10), np.float32)
+    loss[:, 4:] = 1  # 6 policy tokens per row
+    kind = np.zeros((4, 10), np.int32)
+    kind[0, 4:7] = 1  # row 0: 3 shallow-spliced tokens; rows 1-3: none
+    rollout = np.full((4, 10), -1.0, np.float32) * loss
+    old = rollout.copy()
+    old[0, 4:7] += [0.3, -0.1, 0.2]  # spliced gaps
+    old[1, 4:10] += 0.05  # non-spliced gaps, first mini-batch
+    old[3, 4] += 0.5  # the largest non-spliced gap, second mini-batch
+    batch = Batch(ids, attn, loss, np.array([1.0, -1.0, 0.5, -0.5], np.float32), old_logprobs=old,
+                  rollout_logprobs=rollout, behaviour_logprobs=rollout, splice_kind=kind)
+    got = minibatch_update(learner_of(ckpt), batch, mini_batches=2)
+    assert got["learner/gap/spliced/abs_diff"] == pytest.approx((0.3 + 0.1 + 0.2) / 3, rel=1e-5)
+    assert got["learner/gap/spliced/abs_diff_max"] == pytest.approx(0.3, rel=1e-5)
+    # non-spliced: 3 + 6 tokens in the first mini-batch, 12 in the second
+    assert got["learner/gap/abs_diff"] == pytest.approx((6 * 0.05 + 0.5) / 21, rel=1e-5)
+    assert got["learner/gap/abs_diff_max"] == pytest.approx(0.5, rel=1e-5)

@@ -221,19 +221,25 @@ class Learner:
         """One optimizer update; returns host metrics (loss, pg_clipfrac, entropy, grad_norm, lr,
         gap/* when rollout_logprobs are given, loss_scale: the scale this update used, skipped:
         1.0 if its loss or gradient was not finite and the update was skipped, ...)."""
+        return self.update(batch)[0]
+
+    def update(self, batch: Batch) -> tuple[dict[str, float], LossOutput]:
+        """`train_step`, also returning the update's unreduced loss sums and counts (on the host),
+        from which several updates' metrics combine exactly (`rl.step.minibatch_update`)."""
         host = validate_batch(batch, self._local(self.cfg.micro_batch_size))
         self._global_rows(host.num_rows)
         lr = float(self._schedule(jnp.asarray(self.step)))
         if self.cfg.widths:
-            metrics, shapes = self._bucketed_train_step(host)
+            metrics, sums, shapes = self._bucketed_train_step(host)
         else:
             placed = place_batch(host, self.mesh)
             with self._mesh_ctx():
-                self.params, self.opt_state, self.scaler, metrics = jit_train_step(
+                self.params, self.opt_state, self.scaler, metrics, sums = jit_train_step(
                     self.params, self.rest, self.opt_state, self.scaler, placed, graphdef=self.graphdef, cfg=self.cfg,
                     layout=self._layout, loss_scaling=self.loss_scaling)
             shapes = [host.input_ids.shape]
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics, sums = jax.device_get((metrics, sums))
+        out = {k: float(v) for k, v in metrics.items()}
         out["lr"] = lr
         if self.processes == 1:
             out["padded_token_frac"] = padded_fraction(host.lengths, shapes)
@@ -248,13 +254,13 @@ class Learner:
             self.step += 1
             self.consecutive_skips = 0
         self.calls += 1
-        return out
+        return out, sums
 
-    def _bucketed_train_step(self, host: Batch) -> tuple[dict[str, jax.Array], list[tuple[int, int]]]:
+    def _bucketed_train_step(self, host: Batch) -> tuple[dict[str, jax.Array], LossOutput, list[tuple[int, int]]]:
         """`train_step` over length-sorted micro-batches at their bucket widths: one accumulate
         call per micro-batch (compiled once per width), then one update (compiled once). The
         sums are the padded path's, so loss, gradients, skip and loss scale are the same up to
-        float rounding. Returns the metrics and the micro-batch shapes."""
+        float rounding. Returns the metrics, the loss sums and the micro-batch shapes."""
         plan = self._agreed_widths(plan_micro_batches(host.lengths, self._local(self.cfg.micro_batch_size),
                                                       self.cfg.widths))
         policy_tokens = host.loss_mask.sum() if self.processes == 1 else distributed.all_sum(host.loss_mask.sum())
@@ -267,10 +273,10 @@ class Learner:
                     acc = self._zero_accumulators(mb)
                     layout = Layout.of(acc) if self.mesh is not None else None
                 acc = jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
-            self.params, self.opt_state, self.scaler, metrics = jit_apply(
+            self.params, self.opt_state, self.scaler, metrics, sums = jit_apply(
                 self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(policy_tokens),
                 cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
-        return metrics, [(len(rows), w) for rows, w in plan]
+        return metrics, sums, [(len(rows), w) for rows, w in plan]
 
     def _zero_accumulators(self, mb: Batch) -> tuple[Any, LossOutput]:
         # the metrics' structure depends on the batch's optional fields only: traced once per structure

@@ -43,6 +43,7 @@ from cleaner_jax.rl.batch import Batch, from_trajectories
 from cleaner_jax.rl.credit import credit_metrics, credit_sums
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.logprob_gap import splice_metrics
+from cleaner_jax.rl.losses import LossOutput, combine, reduce_metrics
 from cleaner_jax.trajectory import ScoredEpisode
 
 OldLogprobs = Literal["recompute", "rollout"]
@@ -205,17 +206,23 @@ def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs) -> Batc
 
 def minibatch_update(learner: Learner, batch: Batch, mini_batches: int) -> dict[str, float]:
     """`mini_batches` optimizer updates on consecutive row blocks of `batch`; returns the
-    learner's metrics averaged over them, as `learner/<name>`."""
+    learner's metrics over them, as `learner/<name>`: the loss and every per-token or
+    per-sequence metric from the updates' sums and counts taken together (a mini-batch without
+    spliced tokens adds nothing to `gap/spliced/*`, not a 0), maxima as the largest, and the
+    per-update values (grad_norm, lr, loss_scale, skipped, ...) as their mean."""
     if mini_batches < 1 or batch.num_rows % mini_batches:
         raise ValueError(f"minibatch_update: {batch.num_rows} rows do not split into mini_batches={mini_batches} "
                          "equal parts; build the batch with rows_multiple_of = micro_batch_size * mini_batches")
     per_mini = batch.num_rows // mini_batches
-    sums: dict[str, float] = {}
+    means: dict[str, float] = {}
+    total: LossOutput | None = None
     for k in range(mini_batches):
-        m = learner.train_step(batch.rows(slice(k * per_mini, (k + 1) * per_mini)))
+        m, sums = learner.update(batch.rows(slice(k * per_mini, (k + 1) * per_mini)))
         for key, v in m.items():
-            sums[key] = sums.get(key, 0.0) + v / mini_batches
-    return {f"learner/{k}": v for k, v in sums.items()}
+            means[key] = means.get(key, 0.0) + v / mini_batches
+        total = sums if total is None else combine(total, sums)
+    means.update({k: float(v) for k, v in reduce_metrics(total).items()})
+    return {f"learner/{k}": v for k, v in means.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,7 +94,7 @@ def micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, re
 def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: LearnerConfig,
                params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
                batch: Batch, *, loss_scaling: bool,
-               ) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array]]:
+               ) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array], LossOutput]:
     """One optimizer update on `batch` with exact accumulation over micro-batches.
 
     An update whose loss or gradient norm is not finite is skipped: parameters and optimizer
@@ -150,9 +150,10 @@ def zero_accumulators(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.St
 def apply_update(tx: optax.GradientTransformation, cfg: LearnerConfig, params: nnx.State,
                  opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
                  num_policy_tokens: jax.Array, *, loss_scaling: bool,
-                 ) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array]]:
+                 ) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array], LossOutput]:
     """The update from gradient sums over a whole mini-batch: ``g_sum / loss_count``, the
-    finiteness check that skips it, the loss-scale step and the metrics (see `train_step`)."""
+    finiteness check that skips it, the loss-scale step and the metrics (see `train_step`); `out`
+    comes back too, so that a step of several mini-batches can reduce their sums together."""
     denom = jnp.maximum(out.loss_count, 1.0)
     grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
     grad_norm = optax.tree.norm(grads)
@@ -170,7 +171,7 @@ def apply_update(tx: optax.GradientTransformation, cfg: LearnerConfig, params: n
     metrics["skipped"] = (~finite).astype(jnp.float32)
     metrics["num_policy_tokens"] = num_policy_tokens
     metrics["loss_denominator"] = out.loss_count
-    return params, opt_state, scaler, metrics
+    return params, opt_state, scaler, metrics, out
 
 
 @dataclass(frozen=True)
@@ -196,11 +197,11 @@ class Layout:
 def jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
                    batch: Batch, *, graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
                    loss_scaling: bool) -> Any:
-    params, opt_state, scaler, metrics = train_step(graphdef, make_optimizer(cfg.optimizer), cfg, params, rest,
-                                                    opt_state, scaler, batch, loss_scaling=loss_scaling)
+    params, opt_state, scaler, metrics, out = train_step(graphdef, make_optimizer(cfg.optimizer), cfg, params, rest,
+                                                         opt_state, scaler, batch, loss_scaling=loss_scaling)
     if layout is not None:  # keep parameters and moments where they were (norms stay replicated)
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), layout.tree())
-    return params, opt_state, scaler, metrics
+    return params, opt_state, scaler, metrics, out
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"), donate_argnames=("acc",))
@@ -219,11 +220,12 @@ def jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleSta
               num_policy_tokens: jax.Array, *, cfg: LearnerConfig, layout: Layout | None,
               loss_scaling: bool) -> Any:
     """Bucketed train step, part 2: the update from the accumulated sums (compiled once)."""
-    params, opt_state, scaler, metrics = apply_update(make_optimizer(cfg.optimizer), cfg, params, opt_state, scaler,
-                                                      g_sum, out, num_policy_tokens, loss_scaling=loss_scaling)
+    params, opt_state, scaler, metrics, out = apply_update(make_optimizer(cfg.optimizer), cfg, params, opt_state,
+                                                           scaler, g_sum, out, num_policy_tokens,
+                                                           loss_scaling=loss_scaling)
     if layout is not None:
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), layout.tree())
-    return params, opt_state, scaler, metrics
+    return params, opt_state, scaler, metrics, out
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "micro_batch_size", "temperature", "chunk_size"))
