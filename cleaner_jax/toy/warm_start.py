@@ -10,11 +10,13 @@ warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/re
 
 The fit (`fit`) runs `STEPS_PER_CALL` NLL updates per compiled call: a `lax.scan` of the learner's
 own `rl.update.train_step` over that many pre-stacked batches, whose rows are drawn up front by
-the same generator calls as one `Learner.train_step` per step drew them, so the updates (and the
-loss curve) are the step-by-step loop's up to float rounding (tests/test_warm_start_fit.py). On
-the toy's 124k-parameter model a step is ~0.3 s of CPU compute, and the per-call host work
-(static-argument hashing, batch checks and placement, a blocking metrics fetch) was a quarter
-to half of it on a busy 2-core box; bench/warm_start_speed.py measures both paths.
+the same generator calls as one `Learner.train_step` per step drew them. The updates are the
+step-by-step loop's up to float rounding (tests/test_warm_start_fit.py); the scanned program
+rounds differently, and over hundreds of steps Adam amplifies that into small differences of the
+curve. What it saves is the per-call host work (static-argument hashing, batch checks and
+placement, a blocking metrics fetch per step); the step itself is compute (mostly attention over
+rows padded to the longest demonstration). bench/warm_start_speed.py measures both paths,
+bench/RESULTS.md has the numbers.
 """
 from __future__ import annotations
 
