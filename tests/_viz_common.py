@@ -6,6 +6,11 @@ import asyncio
 import dataclasses
 import difflib
 import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from cleaner_jax.agent.config import AgentConfig
 from cleaner_jax.agent.loop import AgentLoop
@@ -15,6 +20,22 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.tools.sandbox import Sandbox
 from cleaner_jax.trajectory import ScoredEpisode
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def chromium_browser() -> Iterator[Any]:
+    """Debian's chromium under Playwright, headless, for a module fixture to yield from (the
+    fixture must come after any that runs an event loop: Playwright's sync API keeps one running
+    in this thread). Missing chromium fails the test: CI installs it (.ci/run)."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"], headless=True)
+        yield b
+        b.close()
+
 
 MESSAGES = [{"role": "user", "content": "What is 1+2?"}]
 ANSWER = "So the answer is \\boxed{3}."

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from _viz_common import scripted_step
+from _viz_common import chromium_browser, scripted_step
 from test_console import console_run
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.viz.dumps import list_steps, read_step, token_pieces, write_step
 from cleaner_jax.viz.serve import serve_in_thread
 
 pytestmark = pytest.mark.browser
-CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTED_STEP = 2  # after the toy run's step 1
 
@@ -41,13 +40,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(run_dir):  # after run_dir: Playwright's sync API keeps an event loop running in this thread
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"], headless=True)
-        yield b
-        b.close()
+    yield from chromium_browser()
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from _viz_common import scripted_step
+from _viz_common import chromium_browser, scripted_step
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.viz.dumps import dump_path, read_step, token_pieces, write_step
 from cleaner_jax.viz.serve import serve_in_thread
 from cleaner_jax.viz.viewer import export_html
 
 pytestmark = pytest.mark.browser
-CHROMIUM = Path("/usr/bin/chromium")
 GOOD, BAD = 2, 3
 
 
@@ -40,13 +39,7 @@ def dumps(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser(dumps):
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (.ci/run does)")
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"], headless=True)
-        yield b
-        b.close()
+    yield from chromium_browser()
 
 
 @pytest.fixture(scope="module")
