@@ -246,7 +246,14 @@ class Learner:
         else:  # over every process's rows
             tokens, slots = distributed.all_sum(np.asarray([host.lengths.sum(), sum(r * w for r, w in shapes)]))
             out["padded_token_frac"] = float(1.0 - tokens / slots) if slots else 0.0
-        if out["skipped"]:
+        self.record_update(skipped=bool(out["skipped"]))
+        return out, sums
+
+    def record_update(self, skipped: bool) -> None:
+        """Count one update call: `step` (updates applied, which drives the lr schedule),
+        `calls`, and the skip counters. For callers that run the jitted update themselves
+        (`toy.warm_start.fit`, several updates per call); `update` counts its own."""
+        if skipped:
             self.skipped_calls.append(self.calls)
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -254,7 +261,6 @@ class Learner:
             self.step += 1
             self.consecutive_skips = 0
         self.calls += 1
-        return out, sums
 
     def _bucketed_train_step(self, host: Batch) -> tuple[dict[str, jax.Array], LossOutput, list[tuple[int, int]]]:
         """`train_step` over length-sorted micro-batches at their bucket widths: one accumulate

@@ -121,15 +121,8 @@ def fit(learner: Learner, batch: Batch, rows: np.ndarray, steps_per_call: int = 
 
     def collect(metrics: dict[str, jax.Array]) -> None:  # one fetch per call, after the next was dispatched
         m = jax.device_get(metrics)
-        for skipped in np.asarray(m["skipped"]):  # the learner's counters, as train_step keeps them
-            if skipped:
-                learner.skipped_calls.append(learner.calls)
-                learner.skipped_steps += 1
-                learner.consecutive_skips += 1
-            else:
-                learner.step += 1
-                learner.consecutive_skips = 0
-            learner.calls += 1
+        for skipped in np.asarray(m["skipped"]):
+            learner.record_update(skipped=bool(skipped))
         losses.append(np.asarray(m["loss"], np.float32))
         if on_steps is not None:
             on_steps(losses[-1])
