@@ -105,8 +105,7 @@ class Session:
                                     rescorer_for=rescorer_for, recover=fleet.recover,
                                     max_restarts=c.rollout.max_episode_restarts)
         # a budget over the served context would be a 400 in the middle of a step: fail now
-        self.run(check_context_budget(client, c.agent.max_prompt_tokens + c.agent.max_response_tokens,
-                                      "agent.max_prompt_tokens + agent.max_response_tokens"))
+        self.run(check_context_budget(client, c.agent.max_model_len, c.agent.MAX_MODEL_LEN_KEYS))
         return self._collector
 
     @property

@@ -55,7 +55,6 @@ from cleaner_jax.viz.run_plots import plot_run, run_summary
 from cleaner_jax.wiring import eval_benchmarks, learner_config, training_problems
 
 log = logging.getLogger("cleaner_jax.train")
-BUDGET_KEYS = "agent.max_prompt_tokens + agent.max_response_tokens"
 
 
 def data_seed(c: RunConfig) -> int:
@@ -74,17 +73,17 @@ def check_served_context(c: RunConfig, model_dir: Path, session: Session) -> Non
     only after them). The embedded server serves `model_dir`'s `max_position_embeddings` (the warm
     start keeps the architecture); external servers are asked (`check_context_budget`).
     `Session.start_rollout` checks again against the servers actually started."""
-    budget = c.agent.max_prompt_tokens + c.agent.max_response_tokens
+    budget, keys = c.agent.max_model_len, c.agent.MAX_MODEL_LEN_KEYS
     if c.rollout.backend == "embedded":
         config_file = model_dir / "config.json"
         context = int(json.loads(config_file.read_text())["max_position_embeddings"])
-        require_context_budget(budget, BUDGET_KEYS, context, "the embedded rollout server",
+        require_context_budget(budget, keys, context, "the embedded rollout server",
                                f"max_position_embeddings in {config_file}")
         return
     ro = c.rollout
     client = SGLangClient(server_urls(c), timeout_s=ro.request_timeout_s, connect_timeout_s=ro.connect_timeout_s)
     try:
-        session.run(check_context_budget(client, budget, BUDGET_KEYS))
+        session.run(check_context_budget(client, budget, keys))
     finally:
         session.run(client.close())
 

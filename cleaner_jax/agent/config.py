@@ -44,3 +44,6 @@ class AgentConfig:
     @property
     def max_model_len(self) -> int:
         return self.max_prompt_tokens + self.max_response_tokens
+
+    # how `max_model_len` reads in an error message about the config
+    MAX_MODEL_LEN_KEYS = "agent.max_prompt_tokens + agent.max_response_tokens"

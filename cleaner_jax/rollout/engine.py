@@ -329,11 +329,9 @@ class Engine:
         return sorted(set(self.eos_ids) | set(s.stop_token_ids))
 
     def _generate_locked(self, reqs: list[GenRequest]) -> list[GenResult]:
-        if self.batch_invariant:
-            batch = plan_batch(reqs, self.prefix_cache, self._stop_ids, self._seeds, width=self.max_batch,
-                               prefill_chunk=self.prefill_chunk)
-        else:
-            batch = plan_batch(reqs, self.prefix_cache, self._stop_ids, self._seeds, width=None, prefill_chunk=None)
+        inv = self.batch_invariant
+        batch = plan_batch(reqs, self.prefix_cache, self._stop_ids, self._seeds, width=self.max_batch if inv else None,
+                           prefill_chunk=self.prefill_chunk if inv else None)
         cache = self._batch_cache(batch)
         want_prompt_lp = any(r.logprob_start_len >= 0 for r in reqs)
         if self.batch_invariant:
