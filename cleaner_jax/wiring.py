@@ -67,7 +67,8 @@ def eval_plan(r: RunConfig) -> EvalPlan:
     return EvalPlan(seed=r.train.seed if e.seed is None else e.seed, bootstrap_resamples=e.bootstrap_resamples,
                     bootstrap_seed=e.bootstrap_seed, ci_level=e.ci_level,
                     max_concurrent_problems=e.max_concurrent_problems,
-                    saar_rollback_probability=e.saar_rollback_probability, think_split=r.reward.think_split)
+                    saar_rollback_probability=e.saar_rollback_probability, tool_call_budget=e.tool_call_budget,
+                    think_split=r.reward.think_split)
 
 
 def eval_specs(r: RunConfig, benchmarks: dict[str, list[Problem]]) -> list[BenchmarkSpec]:

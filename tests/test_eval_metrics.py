@@ -3,6 +3,7 @@ re-implementation of the authors' verl procedure (docs/authors.md §8), and scip
 settings and their rejections."""
 import dataclasses
 import itertools
+import json
 import random
 from collections import defaultdict
 from functools import partial
@@ -228,7 +229,8 @@ def test_summary_by_hand():
 
 def test_summary_does_not_depend_on_record_order():
     a, b = _summary(RECORDS), _summary(list(reversed(RECORDS)))
-    assert dataclasses.asdict(a) == dataclasses.asdict(b)
+    # compared as JSON, where NaN (an undefined share: no sample made a call) equals NaN
+    assert json.dumps(dataclasses.asdict(a), sort_keys=True) == json.dumps(dataclasses.asdict(b), sort_keys=True)
 
 
 def test_metric_names_and_markdown():
@@ -492,3 +494,78 @@ def test_infra_failures_count_the_invalid_samples_episodes():
                   ci_level=0.9, codec=codec)
     assert r.invalid == 5 and r.tool["tool_calls/infra_failures"] == 5.0
     assert _summary(RECORDS).tool["tool_calls/infra_failures"] == 0.0  # the invalid samples' episodes had none
+
+
+def _costed_episode(turn_tokens: tuple[int, ...], calls: int) -> Episode:
+    """An episode whose assistant turns hold `turn_tokens` tokens each (observations between them
+    hold 5, which are not generated) and that executed `calls` tool calls."""
+    segs = [Segment("prompt", (1, 2))]
+    for i, n in enumerate(turn_tokens):
+        segs.append(Segment("turn", (7,) * n, turn=i + 1))
+        segs.append(Segment("obs", (8,) * 5, turn=i + 1, role="result"))
+    raw = RawTrajectory((1, 2), tuple(segs))
+    return Episode(raw, raw.flatten(), (), ToolStats(tool_call_total=calls, first_attempt_total=calls), "answer",
+                   False, len(turn_tokens))
+
+
+def test_cost_per_solve_and_accuracy_within_a_tool_call_budget_by_hand():
+    """tokens_per_solved / tool_calls_per_solved average the correct samples only (generated turn
+    tokens, observations left out); acc_within_budget is mean@n with a correct sample that executed
+    more calls than the budget counted wrong; invalid samples are in none of them."""
+    episodes = {"a": ((10, 4), 1), "b": ((12, 9, 4), 2), "c": ((6,), 0), "d": ((30, 30, 30), 3)}
+    codec = EpisodeCodec(encode=lambda e: {}, decode=lambda d: _costed_episode(*episodes[d["e"]]))
+    sample = lambda e, acc, valid=True: {"valid": valid, "acc": acc, "score": 0.0, "vote": "x",  # noqa: E731
+                                         "episode": {"e": e}}
+    records = [{"index": 0, "uid": "p", "wall_s": 1.0, "samples": [sample("a", True), sample("b", True)]},
+               {"index": 1, "uid": "q", "wall_s": 1.0,
+                "samples": [sample("c", False), sample("d", True), sample("a", True, valid=False)]}]
+    r = summarise("toy", False, records, 2, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, eval_seed=0,
+                  resamples=10, bootstrap_seed=0, ci_level=0.9, codec=codec, tool_call_budget=1)
+    # solved: a (14 tokens, 1 call), b (25, 2), d (90, 3)
+    assert r.tokens_per_solved == pytest.approx((14 + 25 + 90) / 3)
+    assert r.tool_calls_per_solved == pytest.approx((1 + 2 + 3) / 3)
+    assert r.mean_at_n == pytest.approx((1.0 + 0.5) / 2)
+    # within one call: p keeps a only (1/2), q has none (d made 3 calls): (0.5 + 0) / 2
+    assert r.acc_within_budget == pytest.approx(0.25)
+    names = metric_dict([r])
+    assert names["eval/toy/acc_within_budget"] == pytest.approx(0.25)
+    assert names["eval/toy/tokens_per_solved"] == pytest.approx(43.0)
+    assert "25.0 (≤1 calls)" in markdown([r], "x")
+    wide = summarise("toy", False, records, 2, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, eval_seed=0,
+                     resamples=10, bootstrap_seed=0, ci_level=0.9, codec=codec, tool_call_budget=3)
+    assert wide.acc_within_budget == pytest.approx(wide.mean_at_n)  # no solve made more than 3 calls
+    plain = summarise("toy", False, records, 2, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, eval_seed=0,
+                      resamples=10, bootstrap_seed=0, ci_level=0.9, codec=codec)
+    assert plain.acc_within_budget is None and "eval/toy/acc_within_budget" not in metric_dict([plain])
+
+
+def _called_episode(outcomes: tuple[bool, ...]) -> Episode:
+    """An episode whose tool calls failed (True) or worked (False) in this order."""
+    segs = [Segment("prompt", (1,))]
+    for i, failed in enumerate(outcomes):
+        segs += [Segment("turn", (3,), turn=i + 1), Segment("obs", (4,), turn=i + 1, role="result", tool_failed=failed)]
+    segs.append(Segment("turn", (5,), turn=len(outcomes) + 1))
+    raw = RawTrajectory((1,), tuple(segs))
+    return Episode(raw, raw.flatten(), (), ToolStats(tool_call_total=len(outcomes)), "answer", False, 1)
+
+
+def test_recovery_shares_by_hand():
+    """recovery_after_failed_first_call: of the samples whose first call failed, those with a
+    working call later; solved_with_failed_call: of the correct samples, those holding a failure."""
+    kinds = {"ok": (False,), "fixed": (True, False), "gave_up": (True,), "twice": (True, True, False),
+             "late": (False, True), "none": ()}
+    codec = EpisodeCodec(encode=lambda e: {}, decode=lambda d: _called_episode(kinds[d["k"]]))
+    sample = lambda k, acc: {"valid": True, "acc": acc, "score": 0.0, "vote": "x", "episode": {"k": k}}  # noqa: E731
+    records = [{"index": 0, "uid": "p", "wall_s": 1.0, "samples": [sample("ok", True), sample("fixed", True),
+                                                                     sample("gave_up", False)]},
+               {"index": 1, "uid": "q", "wall_s": 1.0, "samples": [sample("twice", True), sample("late", True),
+                                                                     sample("none", False)]}]
+    r = summarise("toy", False, records, 3, {"temperature": 1.0, "top_p": 1.0, "top_k": -1}, eval_seed=0,
+                  resamples=10, bootstrap_seed=0, ci_level=0.9, codec=codec)
+    # first call failed: fixed, gave_up, twice -> 2 of 3 made a working call later
+    assert r.recovery_after_failed_first_call == pytest.approx(2 / 3)
+    # correct: ok, fixed, twice, late -> fixed, twice and late hold a failed call
+    assert r.solved_with_failed_call == pytest.approx(3 / 4)
+    names = metric_dict([r])
+    assert names["eval/toy/recovery_after_failed_first_call"] == pytest.approx(2 / 3)
+    assert names["eval/toy/solved_with_failed_call"] == pytest.approx(3 / 4)

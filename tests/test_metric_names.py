@@ -127,7 +127,8 @@ def test_eval_first_attempt_metrics_by_hand():
     assert r.first_attempt_errors_per_trajectory == 4 / 3
     names = metric_dict([r])
     row = markdown([r], "x").split("\n| toy | on |", 1)[1].split("\n")[0]
-    assert row.rstrip(" |").split(" | ")[-4:] == ["0.200", "1.333", "0.000", "1"]  # tool success, errors / traj, recovery, invalid
+    # tool success, errors / traj, recovery, tokens / solved and calls / solved (nothing solved), invalid
+    assert row.rstrip(" |").split(" | ")[-6:] == ["0.200", "1.333", "0.000", "nan", "nan", "1"]
     assert names["eval/toy/first_attempt_error_rate"] == 4 / 5
     assert names["eval/toy/first_attempt_errors_per_trajectory"] == 4 / 3
     none = summarise("toy", True, [{"index": 0, "uid": "a", "wall_s": 1.0, "samples": [sample((0, 0, 0))]}], 1,

@@ -288,6 +288,9 @@ class EvalConfig:
     max_concurrent_problems: int = field(
         16, ge=1, help="problems evaluated at once (each with its n samples); results do not depend on it")
     resume: bool = field(True, help="evaluate: skip problems already in <out>/samples/*.jsonl; False: start afresh")
+    tool_call_budget: int | None = field(
+        None, ge=1, help="also report acc_within_budget: mean@n with a sample that executed more tool calls than this "
+        "counted wrong (what a recovered error costs under a tight budget); None: not reported")
 
 
 @dataclasses.dataclass(frozen=True)

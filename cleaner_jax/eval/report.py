@@ -50,6 +50,19 @@ class BenchmarkResult:
     # failed per valid trajectory (the unit of docs/metrics.md's "Evaluation"); NaN without samples
     first_attempt_error_rate: float
     first_attempt_errors_per_trajectory: float
+    # what a solve costs (docs/metrics.md, "Evaluation"): generated tokens (every assistant turn of
+    # the raw record, SAAR retries included) and executed tool calls, averaged over the correct
+    # samples; NaN without a correct one. A recovered error is paid for here, not in mean@n.
+    tokens_per_solved: float
+    tool_calls_per_solved: float
+    # mean@n when a sample may execute at most `tool_call_budget` tool calls (both None: no budget)
+    tool_call_budget: int | None
+    acc_within_budget: float | None
+    # the regime CLEANER's argument is about (docs/toy_world.md, "The recoverable world"): of the
+    # samples whose first call failed, the share that made a working call later in the same
+    # trajectory; of the correct samples, the share holding a failed call. NaN when undefined.
+    recovery_after_failed_first_call: float
+    solved_with_failed_call: float
     settings: dict[str, Any]  # n, temperature, top_p, top_k
     seeds: dict[str, Any]  # the evaluation seed and the bootstrap seed and resamples
     timing: dict[str, float]  # wall_s_per_problem (mean), wall_s_per_problem_median, wall_s_total
@@ -61,7 +74,7 @@ class BenchmarkResult:
 
 def summarise(name: str, saar: bool, records: Sequence[dict[str, Any]], n: int, settings: dict[str, Any], *,
               eval_seed: int, resamples: int, bootstrap_seed: int, ci_level: float,
-              codec: EpisodeCodec) -> BenchmarkResult:
+              codec: EpisodeCodec, tool_call_budget: int | None = None) -> BenchmarkResult:
     rows = sorted(records, key=lambda r: r["index"])
     values, votes, correct, scores, episodes, excluded = [], [], [], [], [], []
     invalid = empty = 0
@@ -93,12 +106,18 @@ def summarise(name: str, saar: bool, records: Sequence[dict[str, Any]], n: int, 
                 "pass_at_k": {}, "best_at_k": {}, "worst_at_k": {}, "maj_at_k": {}}
     walls = [float(r["wall_s"]) for r in rows]
     tried, failed = first_attempts(episodes)
+    solved = [e for e, ok in zip(episodes, (c for cs in correct for c in cs)) if ok]
     return BenchmarkResult(
         name=name, saar=saar, problems=len(values), samples_per_problem=n, **head,
         mean_score=float(np.mean(scores)) if scores else float("nan"), invalid=invalid,
         problems_without_valid_samples=empty, tool=step_metrics(episodes, excluded=excluded) if episodes else {},
         first_attempt_error_rate=failed / tried if tried else (0.0 if episodes else float("nan")),
         first_attempt_errors_per_trajectory=failed / len(episodes) if episodes else float("nan"),
+        tokens_per_solved=float(np.mean([generated_tokens(e) for e in solved])) if solved else float("nan"),
+        tool_calls_per_solved=float(np.mean([e.stats.tool_call_total for e in solved])) if solved else float("nan"),
+        tool_call_budget=tool_call_budget,
+        acc_within_budget=within_budget(correct, episodes, tool_call_budget),
+        **recovery_shares(episodes, [c for cs in correct for c in cs]),
         settings=dict(settings), seeds={"eval_seed": eval_seed, "bootstrap_seed": bootstrap_seed,
                                         "bootstrap_resamples": resamples},
         timing={"wall_s_per_problem": float(np.mean(walls)) if walls else float("nan"),
@@ -111,6 +130,50 @@ def first_attempts(episodes: Sequence[Episode]) -> tuple[int, int]:
     each call, before any SAAR retry: the policy's own calls, whether SAAR is on or off."""
     tried = sum(e.stats.first_attempt_total for e in episodes)
     return tried, tried - sum(e.stats.first_attempt_success for e in episodes)
+
+
+def generated_tokens(e: Episode) -> int:
+    """Tokens the policy generated in `e`: every assistant turn of the raw record, failed calls
+    and SAAR's regenerations included (what the episode cost to sample)."""
+    return sum(len(s.token_ids) for s in e.raw.segments if s.kind == "turn")
+
+
+def call_outcomes(e: Episode) -> list[bool]:
+    """Whether each tool call of `e` failed, in execution order (its observations in the raw
+    record; an infrastructure fault is no call outcome)."""
+    return [seg.tool_failed for seg in e.raw.segments if seg.kind == "obs" and not seg.infra]
+
+
+def recovery_shares(episodes: Sequence[Episode], correct: Sequence[bool]) -> dict[str, float]:
+    """recovery_after_failed_first_call and solved_with_failed_call over `episodes` (flat, with
+    `correct` in the same order)."""
+    outcomes = [call_outcomes(e) for e in episodes]
+    failed_first = [o for o in outcomes if o and o[0]]
+    solved = [o for o, ok in zip(outcomes, correct, strict=True) if ok]
+    nan = float("nan")
+    return {"recovery_after_failed_first_call":
+                float(np.mean([not all(o) for o in failed_first])) if failed_first else nan,
+            "solved_with_failed_call": float(np.mean([any(o) for o in solved])) if solved else nan}
+
+
+def within_budget(correct: Sequence[Sequence[bool]], episodes: Sequence[Episode], budget: int | None) -> float | None:
+    """mean@n had each sample been allowed at most `budget` executed tool calls: a sample that
+    executed more would have been stopped at its (budget+1)-th call without an answer, so it
+    counts as wrong. Computed from the same samples, which is exact: everything a stopped sample
+    did before the cut is the same tokens. `correct` is per problem, `episodes` flat in the same
+    order. None without a budget, NaN without samples."""
+    if budget is None:
+        return None
+    if not correct:
+        return float("nan")
+    calls = [e.stats.tool_call_total for e in episodes]
+    per_problem, i = [], 0
+    for cs in correct:
+        per_problem.append(float(np.mean([ok and c <= budget for ok, c in zip(cs, calls[i:i + len(cs)])])))
+        i += len(cs)
+    if i != len(calls):
+        raise ValueError(f"within_budget: {len(calls)} episodes for {i} samples")
+    return float(np.mean(per_problem))
 
 
 def _pass_ks(n: int) -> list[int]:
@@ -140,6 +203,12 @@ def metric_dict(results: Sequence[BenchmarkResult]) -> dict[str, float]:
         out[f"{p}/mean_score"] = r.mean_score
         out[f"{p}/first_attempt_error_rate"] = r.first_attempt_error_rate
         out[f"{p}/first_attempt_errors_per_trajectory"] = r.first_attempt_errors_per_trajectory
+        out[f"{p}/tokens_per_solved"] = r.tokens_per_solved
+        out[f"{p}/tool_calls_per_solved"] = r.tool_calls_per_solved
+        out[f"{p}/recovery_after_failed_first_call"] = r.recovery_after_failed_first_call
+        out[f"{p}/solved_with_failed_call"] = r.solved_with_failed_call
+        if r.acc_within_budget is not None:
+            out[f"{p}/acc_within_budget"] = r.acc_within_budget
         out[f"{p}/wall_s_per_problem"] = r.timing["wall_s_per_problem"]
     return out
 
@@ -153,7 +222,9 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
     bks = sorted({k for r in results for k in r.maj_at_k})
     head = (["benchmark", "SAAR", "problems", "n", "T", "top-p", "mean@n", "CI", "std@n"]
             + [f"pass@{k}" for k in ks] + [f"best@{k}" for k in bks] + [f"maj@{k}" for k in bks]
-            + ["mean score", "tool success", "first-attempt errors / traj", "SAAR recovery", "invalid"])
+            + ["mean score", "tool success", "first-attempt errors / traj", "SAAR recovery", "tokens / solved",
+               "tool calls / solved"] + (["within budget"] if any(r.tool_call_budget is not None for r in results) else [])
+            + ["invalid"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s = r.settings
@@ -164,7 +235,11 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
         cells += [_pct(r.maj_at_k[k]["mean"]) if k in r.maj_at_k else "-" for k in bks]
         cells += [f"{r.mean_score:+.3f}", f"{r.tool.get('tool_calls/success_rate', float('nan')):.3f}",
                   f"{r.first_attempt_errors_per_trajectory:.3f}",
-                  f"{r.tool.get('rollback/global_recovery_rate', float('nan')):.3f}", str(r.invalid)]
+                  f"{r.tool.get('rollback/global_recovery_rate', float('nan')):.3f}", f"{r.tokens_per_solved:.1f}",
+                  f"{r.tool_calls_per_solved:.2f}"]
+        if any(o.tool_call_budget is not None for o in results):
+            cells.append("-" if r.acc_within_budget is None else f"{_pct(r.acc_within_budget)} (≤{r.tool_call_budget} calls)")
+        cells.append(str(r.invalid))
         lines.append("| " + " | ".join(cells) + " |")
     level = results[0].ci["level"] if results else 0.95
     seeds = results[0].seeds if results else {}
@@ -173,6 +248,8 @@ def markdown(results: Sequence[BenchmarkResult], title: str) -> str:
              f"pass@k: unbiased estimator; best@k / maj@k: the authors' bootstrap "
              f"({seeds.get('bootstrap_resamples')} resamples, seed {seeds.get('bootstrap_seed')}); "
              f"first-attempt errors / traj: failed first tries of tool calls per valid sample (SAAR retries excluded); "
+             f"tokens / solved and tool calls / solved: generated tokens and executed calls per correct sample; "
+             f"within budget: mean@n counting a sample that executed more calls than the budget as wrong; "
              f"evaluation seed {seeds.get('eval_seed')}.")
     lat = ["| benchmark | SAAR | problems run | wall s / problem (median) | wall s / problem (mean) | wall s total |",
            "|---|---|---|---|---|---|"]

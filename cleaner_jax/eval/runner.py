@@ -55,6 +55,7 @@ class EvalPlan:
     ci_level: float = 0.95
     max_concurrent_problems: int = 16
     saar_rollback_probability: float = 1.0
+    tool_call_budget: int | None = None  # eval.tool_call_budget: acc_within_budget's budget
     think_split: str = "faithful"  # reward.think_split: how the LiveCodeBench export finds the code
 
 
@@ -191,6 +192,7 @@ async def run_evaluation(collector: Collector, specs: Sequence[BenchmarkSpec], o
                 export_livecodebench(records, lcb_export_path(out, spec.name, saar), plan.think_split)
             results.append(summarise(spec.name, saar, records, spec.settings.n, spec.settings.sampling(),
                                      eval_seed=plan.seed, resamples=plan.bootstrap_resamples,
-                                     bootstrap_seed=plan.bootstrap_seed, ci_level=plan.ci_level, codec=codec))
+                                     bootstrap_seed=plan.bootstrap_seed, ci_level=plan.ci_level, codec=codec,
+                                     tool_call_budget=plan.tool_call_budget))
     write_report(results, out, title)
     return results
