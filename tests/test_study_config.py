@@ -1,4 +1,5 @@
 """The study config: configs/toy_study.py's arms, and every rejection naming its key."""
+import dataclasses
 import sys
 
 import pytest
@@ -116,3 +117,32 @@ def test_warm_cache_dir_rejections(tmp_path):
     c.warmup_sft.cache_dir = str(tmp_path / "file")
     with pytest.raises(ConfigError, match=r"config\.warmup_sft\.cache_dir: .*not a usable directory"):
         validate(c)
+
+
+def test_the_recoverable_world_and_its_studies(tmp_path, monkeypatch):
+    """configs/toy_recoverable.py is configs/toy.py with the recovering student (give-up 0.1), the
+    tool-call budget and 32 steps; its main study has the toy study's four arms over 8 seeds; each
+    ablation is CLEANER at the grid's values of one key, the default point its baseline; all four
+    share one cache directory (relative to the current one)."""
+    monkeypatch.chdir(tmp_path)
+    toy = validate(load_config("toy"))
+    rec = validate(load_config("toy_recoverable"))
+    assert (rec.warmup_sft.give_up_rate, rec.eval.tool_call_budget, rec.train.steps) == (0.1, 1, 32)
+    assert rec.model == toy.model and rec.saar == toy.saar and rec.algo == toy.algo and rec.optim == toy.optim
+    main = validate_study(load_module(ROOT / "configs" / "recoverable_study.py").get_config())
+    assert main.seeds == tuple(range(8)) and {a.name for a in main.arms} == {a.name for a in validate_study(toy_study()).arms}
+    grids = {"recoverable_gamma_study": ("saar", "gamma", [0.0, 0.5, 0.9, 1.0], "gamma_0_9"),
+             "recoverable_k_study": ("saar", "max_retries", [1, 3, 5], "k_3"),
+             "recoverable_lr_study": ("optim", "lr", [0.3e-3, 1e-3, 3e-3], "lr_x_1")}
+    cache = tmp_path / "runs" / "recoverable_cache"
+    for name, (section, key, values, baseline) in grids.items():
+        study = validate_study(load_module(ROOT / "configs" / f"{name}.py").get_config())
+        assert study.seeds == (0, 1, 2, 3, 4) and study.settings.baseline == baseline
+        runs = [validate(study.run_config(a, 1, tmp_path / name)) for a in study.arms]
+        assert [getattr(getattr(r, section), key) for r in runs] == pytest.approx(values)
+        for r in runs:
+            assert r.saar.enable and r.algo == rec.algo and r.warmup_sft == dataclasses.replace(
+                rec.warmup_sft, cache_dir=str(cache / "warm_cache"))
+            assert r.train.compilation_cache_dir == str(cache / "xla_cache")
+    for r in (validate(main.run_config(a, 1, tmp_path / "main")) for a in main.arms):
+        assert r.warmup_sft.cache_dir == str(cache / "warm_cache")

@@ -159,4 +159,5 @@ def test_a_studys_accuracy_band_stays_inside_0_1(tmp_path, monkeypatch):
 def test_every_study_curve_has_a_range():
     from cleaner_jax.study import aggregate
     from cleaner_jax.study import plots as study_plots
-    assert set(aggregate.TRAIN_SERIES) | {"heldout_accuracy"} == set(study_plots.RANGES)
+    curves = set(aggregate.TRAIN_SERIES) | {"heldout_accuracy"} | {f"heldout_{m}" for m in aggregate.HELDOUT_OPTIONAL}
+    assert curves == set(study_plots.RANGES)

@@ -53,6 +53,11 @@ def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
         acc_key = aggregate.accuracy_key(rows, s.benchmark)
         curves.setdefault(f"heldout_accuracy ({acc_key})", {}).setdefault(run.arm, []).append(
             aggregate.eval_series(rows, acc_key))
+        for name in aggregate.HELDOUT_OPTIONAL:
+            key = f"eval/{s.benchmark}/{name}"
+            if any(key in r for r in rows.values()):
+                curves.setdefault(f"heldout_{name} ({key})", {}).setdefault(run.arm, []).append(
+                    aggregate.eval_series(rows, key))
         for name, curve in aggregate.train_series(rows).items():
             curves.setdefault(f"{name} ({aggregate.SERIES_SOURCE[name]})", {}).setdefault(run.arm, []).append(curve)
     if not per_run:

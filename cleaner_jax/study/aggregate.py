@@ -74,11 +74,17 @@ TRAIN_SERIES: dict[str, Callable[[Mapping[str, float]], float]] = {
     "zero_adv_group_frac": lambda r: r.get("adv/zero_adv_group_frac", math.nan),
     "response_tokens": lambda r: r.get("response/purified_tokens_mean", math.nan),
     "response_tokens_raw": lambda r: r.get("response/raw_tokens_mean", math.nan),
+    "shallow_splice_token_frac": lambda r: r.get("splice/shallow/token_frac", math.nan),
+    "deep_splice_token_frac": lambda r: r.get("splice/deep/token_frac", math.nan),
+    "pos_adv_failed_call_frac": lambda r: r.get("credit/pos_adv_failed_call_frac", math.nan),
+    "pos_adv_spliced_frac": lambda r: r.get("credit/pos_adv_spliced_frac", math.nan),
 }
 SERIES_SOURCE = {
     "train_accuracy": "reward/acc", "first_attempt_error_rate": "1 - tool_calls/success_rate",
     "saar_recovery_rate": "rollback/global_recovery_rate", "zero_adv_group_frac": "adv/zero_adv_group_frac",
     "response_tokens": "response/purified_tokens_mean", "response_tokens_raw": "response/raw_tokens_mean",
+    "shallow_splice_token_frac": "splice/shallow/token_frac", "deep_splice_token_frac": "splice/deep/token_frac",
+    "pos_adv_failed_call_frac": "credit/pos_adv_failed_call_frac", "pos_adv_spliced_frac": "credit/pos_adv_spliced_frac",
 }
 
 
@@ -94,7 +100,9 @@ def eval_series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
 
 
 # evaluation metrics summarised before / after RL where the run logs them (docs/metrics.md, Evaluation)
-HELDOUT_OPTIONAL = ("first_attempt_error_rate", "first_attempt_errors_per_trajectory")
+HELDOUT_OPTIONAL = ("first_attempt_error_rate", "first_attempt_errors_per_trajectory", "acc_within_budget",
+                    "tokens_per_solved", "tool_calls_per_solved", "recovery_after_failed_first_call",
+                    "solved_with_failed_call")
 
 
 def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]:

@@ -44,6 +44,10 @@ class StudyConfig:
     share_compilation_cache: bool = field(
         True, help="every run's train.compilation_cache_dir is <study>/xla_cache: a run loads the programs the runs "
         "before it compiled (its learner's and its rollout server's) instead of compiling them again")
+    cache_dir: str = field(
+        "", help="where warm_cache/ and xla_cache/ live: '' is the study's workdir; a directory (relative: to the "
+        "current one) several studies of one base config name share their warm starts, step-0 evaluations and "
+        "compiled programs (configs/_ablation.py)")
     tail_steps: int = field(1, ge=1, help="training-rollout metrics: the summary's 'last' is the mean of the last N steps")
     bootstrap_resamples: int = field(10_000, ge=100, help="resamples of the bootstrap CI over seeds")
     bootstrap_seed: int = field(0, ge=0, help="seed of the bootstrap")
@@ -68,10 +72,11 @@ class Study:
     def shared_dirs(self, workdir: Path) -> dict[str, str]:
         """The directories the runs of a study under `workdir` share (run keys of STUDY_SET)."""
         keys = {}
+        root = Path(self.settings.cache_dir).resolve() if self.settings.cache_dir else workdir
         if self.settings.share_warm_start:
-            keys["warmup_sft.cache_dir"] = str(workdir / "warm_cache")
+            keys["warmup_sft.cache_dir"] = str(root / "warm_cache")
         if self.settings.share_compilation_cache:
-            keys["train.compilation_cache_dir"] = str(workdir / "xla_cache")
+            keys["train.compilation_cache_dir"] = str(root / "xla_cache")
         return keys
 
     def run_config(self, arm: Arm, seed: int, workdir: Path | None) -> ml_collections.ConfigDict:

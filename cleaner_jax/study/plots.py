@@ -24,6 +24,11 @@ RANGES: dict[str, tuple[float, float]] = {
     "heldout_accuracy": (0.0, 1.0), "train_accuracy": (0.0, 1.0), "first_attempt_error_rate": (0.0, 1.0),
     "saar_recovery_rate": (0.0, 1.0), "zero_adv_group_frac": (0.0, 1.0),
     "response_tokens": (0.0, math.inf), "response_tokens_raw": (0.0, math.inf),
+    "heldout_first_attempt_error_rate": (0.0, 1.0), "heldout_first_attempt_errors_per_trajectory": (0.0, math.inf),
+    "heldout_acc_within_budget": (0.0, 1.0), "heldout_tokens_per_solved": (0.0, math.inf),
+    "heldout_tool_calls_per_solved": (0.0, math.inf), "heldout_recovery_after_failed_first_call": (0.0, 1.0),
+    "heldout_solved_with_failed_call": (0.0, 1.0), "shallow_splice_token_frac": (0.0, 1.0),
+    "deep_splice_token_frac": (0.0, 1.0), "pos_adv_failed_call_frac": (0.0, 1.0), "pos_adv_spliced_frac": (0.0, 1.0),
 }
 
 
