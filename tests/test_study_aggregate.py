@@ -111,6 +111,7 @@ def test_run_summary_by_hand(tmp_path):
     s = run_summary(rows, "toy", tail_steps=2)
     assert s["heldout_acc_before"] == 0.25 and s["heldout_acc_after"] == 0.625
     assert s["heldout_acc_gain"] == pytest.approx(0.375)
+    assert s["collapsed"] == 0.0  # 0.625 is not below half of 0.25
     assert s["first_attempt_error_rate_first"] == pytest.approx(0.4)
     # step 2 had no tool call (0/0, logged as success rate 0): left out, not a 100% error rate
     assert s["first_attempt_error_rate_last"] == pytest.approx(1 - 0.8)
@@ -142,3 +143,12 @@ def test_plot_band_by_hand(tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     assert not plots.plot_metric(tmp_path / "none.png", "m", "m", {"a": [([1], [math.nan])]})
     assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("before, after, expected", [(0.4, 0.19, 1.0), (0.4, 0.2, 0.0), (0.4, 0.9, 0.0),
+                                                     (0.0, 0.0, 0.0), (float("nan"), 0.1, None)])
+def test_the_collapse_criterion_by_hand(before, after, expected):
+    """Held-out accuracy after RL below half of before (docs/study.md): 0.19 < 0.2 collapses, 0.2
+    does not; undefined without both evaluations."""
+    got = aggregate.collapsed(before, after)
+    assert (expected is None and got != got) or got == expected

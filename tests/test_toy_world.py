@@ -77,6 +77,29 @@ def test_teacher_habits_happen_at_their_rates(toy_tokenizer):
             assert first.startswith(toy_task.DEEP_REASONING) and "calc(" in first
 
 
+def test_the_recoverable_teachers_plans_give_the_regime_by_hand(toy_tokenizer):
+    """configs/toy_recoverable.py's habits, drawn for 4000 problems: the plans' shares of right
+    answers, of recovered failed first calls and of correct plans holding a failed call equal the
+    hand-computed ones, (1-g)(1-e*u), 1-u and e(1-u) / ((1-e) + e(1-u)), and meet the regime the
+    world is for (docs/toy_world.md, "The recoverable world")."""
+    from _configs import load_config
+    w = load_config("toy_recoverable").warmup_sft
+    g, e, u = w.guess_rate, w.error_rate, w.give_up_rate
+    habits = toy_task.TeacherHabits(error_rate=e, deep_share=w.deep_error_share, guess_rate=g, give_up_rate=u)
+    problems = toy_task.make_problems(4000, seed=5, max_operand=19, num_ops=1, split="train")
+    rng = random.Random(1)
+    teachers = [toy_task.ToyTeacher(toy_tokenizer, p, rng, habits=habits) for p in problems]
+    failed_first = [t for t in teachers if not t.guesses and t.first_error is not None]
+    correct = [t for t in teachers if not t.guesses and (t.first_error is None or not t.gives_up)]
+    acc, recovered = len(correct) / len(teachers), sum(not t.gives_up for t in failed_first) / len(failed_first)
+    with_failure = sum(t.first_error is not None for t in correct) / len(correct)
+    # 4000 draws: each share within ~3.5 standard errors of its value
+    assert acc == pytest.approx((1 - g) * (1 - e * u), abs=0.03)
+    assert recovered == pytest.approx(1 - u, abs=0.03)
+    assert with_failure == pytest.approx(e * (1 - u) / ((1 - e) + e * (1 - u)), abs=0.04)
+    assert acc <= 0.6 and recovered >= 0.7 and with_failure >= 0.25
+
+
 @pytest.fixture(scope="module")
 def toy_tokenizer(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("toytok"), "qwen3", vocab_size=TOY_VOCAB_SIZE - len(ADDED_TOKENS),

@@ -44,22 +44,13 @@ def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
     spec = aggregate.BootstrapSpec(s.bootstrap_resamples, s.bootstrap_seed, s.ci_level, s.ci_method)
     per_run: dict[str, dict[int, dict[str, float]]] = {}
     curves: dict[str, dict[str, list[plots.Curve]]] = {}
-    acc_key = None
     for run in plan(study, workdir):
         if not is_done(run):
             continue
         rows = aggregate.read_metrics(run.workdir / "tb" / "metrics.jsonl")
         per_run.setdefault(run.arm, {})[run.seed] = aggregate.run_summary(rows, s.benchmark, s.tail_steps)
-        acc_key = aggregate.accuracy_key(rows, s.benchmark)
-        curves.setdefault(f"heldout_accuracy ({acc_key})", {}).setdefault(run.arm, []).append(
-            aggregate.eval_series(rows, acc_key))
-        for name in aggregate.HELDOUT_OPTIONAL:
-            key = f"eval/{s.benchmark}/{name}"
-            if any(key in r for r in rows.values()):
-                curves.setdefault(f"heldout_{name} ({key})", {}).setdefault(run.arm, []).append(
-                    aggregate.eval_series(rows, key))
-        for name, curve in aggregate.train_series(rows).items():
-            curves.setdefault(f"{name} ({aggregate.SERIES_SOURCE[name]})", {}).setdefault(run.arm, []).append(curve)
+        for title, curve in aggregate.run_curves(rows, s.benchmark).items():
+            curves.setdefault(title, {}).setdefault(run.arm, []).append(curve)
     if not per_run:
         raise SystemExit(f"error: no finished run under {workdir / 'runs'} to summarize")
     summary = aggregate.summarize(per_run, s.baseline, spec)

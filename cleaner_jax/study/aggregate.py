@@ -105,6 +105,34 @@ HELDOUT_OPTIONAL = ("first_attempt_error_rate", "first_attempt_errors_per_trajec
                     "solved_with_failed_call")
 
 
+# a run collapsed when its held-out accuracy after RL is below this share of its accuracy before
+COLLAPSE_SHARE = 0.5
+
+
+def collapsed(before: float, after: float) -> float:
+    """1.0 when held-out accuracy fell below COLLAPSE_SHARE of its start (the study's documented
+    collapse criterion, docs/study.md), else 0.0; NaN without both evaluations. An arm's mean of
+    it is its collapse rate."""
+    if math.isnan(before) or math.isnan(after):
+        return math.nan
+    return float(after < COLLAPSE_SHARE * before)
+
+
+def run_curves(rows: Rows, benchmark: str) -> dict[str, tuple[list[int], list[float]]]:
+    """One run's curves, by title "<name> (<source metric>)": held-out accuracy, each
+    `HELDOUT_OPTIONAL` metric the run logs (`heldout_<m>`), and the `TRAIN_SERIES`; the study's
+    plots (`plots/<name>.png`) and notebooks/ablation.ipynb draw these."""
+    acc_key = accuracy_key(rows, benchmark)
+    out = {f"heldout_accuracy ({acc_key})": eval_series(rows, acc_key)}
+    for name in HELDOUT_OPTIONAL:
+        key = f"eval/{benchmark}/{name}"
+        if any(key in r for r in rows.values()):
+            out[f"heldout_{name} ({key})"] = eval_series(rows, key)
+    for name, curve in train_series(rows).items():
+        out[f"{name} ({SERIES_SOURCE[name]})"] = curve
+    return out
+
+
 def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]:
     """One run's summary values: held-out accuracy before (step 0) and after (the last evaluation)
     RL and its gain; each training-rollout series at the first RL step and over the last
@@ -114,6 +142,7 @@ def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]
     out = {"heldout_acc_before": acc[0] if steps and steps[0] == 0 else math.nan,
            "heldout_acc_after": acc[-1] if steps and steps[-1] > 0 else math.nan}
     out["heldout_acc_gain"] = out["heldout_acc_after"] - out["heldout_acc_before"]
+    out["collapsed"] = collapsed(out["heldout_acc_before"], out["heldout_acc_after"])
     for name in HELDOUT_OPTIONAL:
         fc_steps, fc_values = eval_series(rows, f"eval/{benchmark}/{name}")
         if fc_steps:
@@ -175,6 +204,17 @@ TABLE = {
     "heldout_acc_before": "held-out accuracy before RL (eval mean@n, step 0)",
     "heldout_acc_after": "held-out accuracy after RL (eval mean@n, last evaluation)",
     "heldout_acc_gain": "held-out accuracy gain (after - before)",
+    "collapsed": "collapsed: held-out accuracy after RL below half of before (share of seeds)",
+    "heldout_acc_within_budget_before": "held-out accuracy within eval.tool_call_budget calls, before RL",
+    "heldout_acc_within_budget_after": "held-out accuracy within eval.tool_call_budget calls, after RL",
+    "heldout_tokens_per_solved_before": "held-out generated tokens per solved problem, before RL",
+    "heldout_tokens_per_solved_after": "held-out generated tokens per solved problem, after RL",
+    "heldout_tool_calls_per_solved_before": "held-out tool calls per solved problem, before RL",
+    "heldout_tool_calls_per_solved_after": "held-out tool calls per solved problem, after RL",
+    "heldout_recovery_after_failed_first_call_before": "held-out: failed first calls followed by a working one, before RL",
+    "heldout_recovery_after_failed_first_call_after": "held-out: failed first calls followed by a working one, after RL",
+    "heldout_solved_with_failed_call_before": "held-out: correct trajectories holding a failed call, before RL",
+    "heldout_solved_with_failed_call_after": "held-out: correct trajectories holding a failed call, after RL",
     "heldout_first_attempt_error_rate_before": "held-out first-attempt tool error rate before RL (eval)",
     "heldout_first_attempt_error_rate_after": "held-out first-attempt tool error rate after RL (eval)",
     "heldout_first_attempt_errors_per_trajectory_before": "held-out failed first attempts per trajectory, before RL",
@@ -187,6 +227,12 @@ TABLE = {
     "response_tokens_last": "purified response length, last RL steps (response/purified_tokens_mean, tokens)",
     "response_tokens_raw_last": "raw response length, last RL steps (response/raw_tokens_mean, tokens)",
     "train_accuracy_last": "training-rollout accuracy, last RL steps (reward/acc)",
+    "shallow_splice_token_frac_first": "shallow-spliced token share, first RL step (splice/shallow/token_frac)",
+    "deep_splice_token_frac_first": "deep-spliced token share, first RL step (splice/deep/token_frac)",
+    "pos_adv_failed_call_frac_first": "positive-advantage tokens inside failed calls, first RL step",
+    "pos_adv_failed_call_frac_last": "positive-advantage tokens inside failed calls, last RL steps",
+    "pos_adv_spliced_frac_first": "positive-advantage tokens inside spliced spans, first RL step",
+    "pos_adv_spliced_frac_last": "positive-advantage tokens inside spliced spans, last RL steps",
 }
 
 
