@@ -98,6 +98,7 @@ def _rows(tmp_path):
         {"step": 3, "reward/acc": 0.7, "tool_calls/success_rate": 0.8, "tool_calls/total_attempts": 5.0,
          "rollback/global_recovery_rate": 1.0, "rollback/global_triggered": 1.0, "adv/zero_adv_group_frac": 0.5,
          "response/purified_tokens_mean": 60.0, "response/raw_tokens_mean": 70.0},
+        {"step": 3, "credit/pos_adv_spliced_frac": "nan"},  # metrics.jsonl's spelling of a non-finite value
         {"step": 3, "eval/toy/mean@4": 0.625, "eval/toy/pass@1": 0.625, "eval/toy/first_attempt_error_rate": 0.2},
     ]
     path = tmp_path / "metrics.jsonl"
@@ -112,6 +113,7 @@ def test_run_summary_by_hand(tmp_path):
     assert s["heldout_acc_before"] == 0.25 and s["heldout_acc_after"] == 0.625
     assert s["heldout_acc_gain"] == pytest.approx(0.375)
     assert s["collapsed"] == 0.0  # 0.625 is not below half of 0.25
+    assert math.isnan(rows[3]["credit/pos_adv_spliced_frac"]) and math.isnan(s["pos_adv_spliced_frac_last"])
     assert s["first_attempt_error_rate_first"] == pytest.approx(0.4)
     # step 2 had no tool call (0/0, logged as success rate 0): left out, not a 100% error rate
     assert s["first_attempt_error_rate_last"] == pytest.approx(1 - 0.8)

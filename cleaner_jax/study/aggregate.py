@@ -36,8 +36,17 @@ def read_metrics(path: Path) -> Rows:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
         step = int(row.pop("step"))
-        rows.setdefault(step, {}).update(row)
+        rows.setdefault(step, {}).update({k: _number(v, path, n, k) for k, v in row.items()})
     return rows
+
+
+def _number(value: float | str, path: Path, line: int, key: str) -> float:
+    """A metric's value; metrics.jsonl writes the non-finite ones as the strings "nan", "inf", "-inf"."""
+    if isinstance(value, str):
+        if value not in ("nan", "inf", "-inf"):
+            raise ValueError(f"{path}:{line}: {key} is {value!r}, not a number")
+        return float(value)
+    return value
 
 
 def accuracy_key(rows: Rows, benchmark: str) -> str:
