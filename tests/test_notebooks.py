@@ -17,6 +17,7 @@ from nbclient import NotebookClient
 
 from _study_common import ARMS, SEEDS, STUDY_TIMEOUT_S
 from _viz_common import scripted_step
+from cleaner_jax.study import plots as study_plots
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.viz.dumps import token_pieces, write_step
 from cleaner_jax.viz.plots import study_runs
@@ -120,8 +121,11 @@ def test_study_notebook(study, tmp_path):
     for arm in ARMS:  # the runs it found: every arm with both seeds
         assert f"{arm}: seeds {', '.join(map(str, SEEDS))}\n" in out
     drawn = re.findall(r"^curve: (.*)$", out, re.M)
+    per_arm = re.findall(r"^per arm: (.*)$", out, re.M)
     images = rich(nb, "image/png")
-    assert len(images) == len(drawn) >= 2
+    assert len(images) == len(drawn) + len(per_arm) and len(drawn) >= 2
+    # the ablation figures: held-out accuracy after RL per arm is in every study's summary
+    assert "heldout_acc_after" in per_arm and set(per_arm) <= set(study_plots.ARM_FIGURES)
     assert any(t.startswith("heldout_accuracy (eval/toy/mean@2)") for t in drawn)
     assert any(t.startswith("train_accuracy (reward/acc)") for t in drawn)
     assert all(len(img) > 1000 for img in images)  # base64 PNGs, not empty figures

@@ -94,6 +94,7 @@ def test_summary_equals_numpy_over_the_runs_metrics(small_study):
     assert "held-out accuracy after RL" in text and "Difference from `grpo_raw`" in text
     written = {p.stem for p in (s.workdir / "plots").glob("*.png")}
     assert {"heldout_accuracy", "zero_adv_group_frac", "response_tokens", "train_accuracy"} <= written
+    assert {"arms_heldout_acc_after", "arms_heldout_acc_gain", "arms_collapsed"} <= written  # per-arm figures
     for p in (s.workdir / "plots").glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p
     # the error-rate curve is drawn iff some training step made a tool call (0 calls: undefined, no curve)

@@ -161,3 +161,35 @@ def test_every_study_curve_has_a_range():
     from cleaner_jax.study import plots as study_plots
     curves = set(aggregate.TRAIN_SERIES) | {"heldout_accuracy"} | {f"heldout_{m}" for m in aggregate.HELDOUT_OPTIONAL}
     assert curves == set(study_plots.RANGES)
+
+
+def test_the_per_arm_figure_draws_each_arms_mean_and_ci(tmp_path, monkeypatch):
+    """plots/arms_<value>.png: one point per arm in the given order (an ablation's grid), at the
+    mean, with an error bar from ci_low to ci_high; an arm without a finite mean is left out, and a
+    study where no arm has one draws nothing."""
+    from cleaner_jax.study import plots as study_plots
+    from cleaner_jax.viz import figure
+
+    drawn = {}
+    save = figure.save
+
+    def keep(fig, ax, path, **kw):
+        (line,) = ax.get_lines()[:1]
+        bars = ax.collections[0].get_segments()  # the error bars, one vertical segment per arm
+        drawn[path.name] = (list(line.get_ydata()), [(b[0][1], b[1][1]) for b in bars],
+                            [t.get_text() for t in ax.get_xticklabels()])
+        return save(fig, ax, path, **kw)
+
+    monkeypatch.setattr(figure, "save", keep)
+    nan = float("nan")
+    stats = {"gamma_0": {"n": 5.0, "mean": 0.8, "ci_low": 0.7, "ci_high": 0.85},
+             "gamma_0_5": {"n": 0.0, "mean": nan, "ci_low": nan, "ci_high": nan},
+             "gamma_0_9": {"n": 5.0, "mean": 0.6, "ci_low": 0.4, "ci_high": 0.9}}
+    assert study_plots.plot_arms(tmp_path / "arms_x.png", "x", "x", stats)
+    means, bars, labels = drawn["arms_x.png"]
+    assert means == [0.8, 0.6]
+    np.testing.assert_allclose(bars, [(0.7, 0.85), (0.4, 0.9)])
+    assert labels == ["gamma_0\n(n=5)", "gamma_0_9\n(n=5)"]
+    assert (tmp_path / "arms_x.png").is_file()
+    assert not study_plots.plot_arms(tmp_path / "none.png", "x", "x", {"a": stats["gamma_0_5"]})
+    assert not (tmp_path / "none.png").exists()

@@ -64,6 +64,11 @@ def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
     for title, arms in curves.items():
         name = title.split(" ", 1)[0]
         plots.plot_metric(workdir / "plots" / f"{name}.png", title, name.replace("_", " "), arms)
+    order = [a.name for a in study.arms if a.name in summary["arms"]]  # the config's order: an ablation's grid
+    for value in plots.ARM_FIGURES:
+        stats = {a: summary["arms"][a][value] for a in order if value in summary["arms"][a]}
+        plots.plot_arms(workdir / "plots" / f"arms_{value}.png", f"{value} per arm ({s.ci_level:.0%} CI over seeds)",
+                        value.replace("_", " "), stats)
     return text
 
 

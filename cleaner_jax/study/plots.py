@@ -73,3 +73,27 @@ def plot_metric(path: Path, title: str, ylabel: str, arms: Mapping[str, list[Cur
     else:
         figure.close(fig)
     return drawn
+
+
+# summary values drawn per arm with their CI (plots/arms_<value>.png): an ablation's figure
+ARM_FIGURES = ("heldout_acc_after", "heldout_acc_gain", "heldout_acc_within_budget_after",
+               "heldout_tokens_per_solved_after", "heldout_first_attempt_error_rate_after", "collapsed")
+
+
+def plot_arms(path: Path, title: str, ylabel: str, stats: Mapping[str, Mapping[str, float]]) -> bool:
+    """One summary value per arm (an ablation's points, in the given order): the mean over seeds
+    with its bootstrap CI as an error bar and each arm's n. `stats`: arm -> `aggregate.seed_stats`
+    dict. Returns False (and writes nothing) when no arm has a finite mean."""
+    arms = [a for a, st in stats.items() if not math.isnan(st["mean"])]
+    if not arms:
+        return False
+    fig, ax = figure.new()
+    x = np.arange(len(arms))
+    mean = np.asarray([stats[a]["mean"] for a in arms])
+    lo = np.asarray([stats[a]["ci_low"] for a in arms])
+    hi = np.asarray([stats[a]["ci_high"] for a in arms])
+    err = np.vstack([np.nan_to_num(mean - lo), np.nan_to_num(hi - mean)])  # a one-seed arm: no bar
+    ax.errorbar(x, mean, yerr=err, fmt="o", capsize=4, label="mean over seeds, bootstrap CI")
+    ax.set_xticks(x, [f"{a}\n(n={int(stats[a]['n'])})" for a in arms], fontsize=8)
+    figure.save(fig, ax, path, title=title, xlabel="arm", ylabel=ylabel, integer_x=False)
+    return True

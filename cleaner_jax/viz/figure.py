@@ -31,11 +31,13 @@ def curve(ax: Axes, steps: ArrayLike, values: ArrayLike, label: str) -> Line2D:
     return line
 
 
-def save(fig, ax, path: Path, *, title: str, xlabel: str, ylabel: str) -> Path:
-    """Style `ax`, write `fig` to `path` (parents created) and close it."""
+def save(fig, ax, path: Path, *, title: str, xlabel: str, ylabel: str, integer_x: bool = True) -> Path:
+    """Style `ax`, write `fig` to `path` (parents created) and close it. `integer_x`: integer
+    ticks on the x axis (steps); False for a categorical axis that set its own ticks."""
     ax.set_title(title)
     ax.set_xlabel(xlabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
