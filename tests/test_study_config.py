@@ -146,3 +146,25 @@ def test_the_recoverable_world_and_its_studies(tmp_path, monkeypatch):
             assert r.train.compilation_cache_dir == str(cache / "xla_cache")
     for r in (validate(main.run_config(a, 1, tmp_path / "main")) for a in main.arms):
         assert r.warmup_sft.cache_dir == str(cache / "warm_cache")
+
+
+def test_the_collapse_studies_put_cleaner_beside_tis_and_mask_on_the_same_seeds(tmp_path, monkeypatch):
+    """configs/toy_collapse_study.py (the README world) and configs/recoverable_study.py with
+    configs/recoverable_mask_study.py (the recoverable world): faithful CLEANER, `tis` and `mask`
+    on the same 8 seeds in each world, 16 CLEANER seed-runs in all; the arms differ from CLEANER in
+    the splice correction alone, and the mask arm uses the main study's warm starts."""
+    monkeypatch.chdir(tmp_path)
+    readme = validate_study(load_module(ROOT / "configs" / "toy_collapse_study.py").get_config())
+    main = validate_study(load_module(ROOT / "configs" / "recoverable_study.py").get_config())
+    mask = validate_study(load_module(ROOT / "configs" / "recoverable_mask_study.py").get_config())
+    assert readme.seeds == main.seeds == mask.seeds == tuple(range(8))
+    worlds = {"toy": {a.name: validate(readme.run_config(a, 3, tmp_path / "readme")) for a in readme.arms},
+              "toy_recoverable": {**{a.name: validate(main.run_config(a, 3, tmp_path / "main")) for a in main.arms},
+                                  **{a.name: validate(mask.run_config(a, 3, tmp_path / "mask")) for a in mask.arms}}}
+    for world, runs in worlds.items():
+        base = validate(load_config(world))
+        cleaner = runs["cleaner"]
+        assert cleaner.saar == base.saar and cleaner.saar.enable and cleaner.saar.splice_correction == "none"
+        for arm, corr in (("cleaner_splice_corr", "tis"), ("cleaner_splice_mask", "mask")):
+            assert runs[arm].saar == dataclasses.replace(cleaner.saar, splice_correction=corr)
+            assert runs[arm].warmup_sft == cleaner.warmup_sft and runs[arm].train == cleaner.train

@@ -1,0 +1,30 @@
+"""The collapse study in the README's world (configs/toy.py): faithful CLEANER beside its two splice
+corrections on the same 8 seeds, 16 RL steps each. With the recoverable world's main study
+(configs/recoverable_study.py, `cleaner` and `cleaner_splice_corr`) and its `mask` arm
+(configs/recoverable_mask_study.py) it gives 16 seed-runs of faithful CLEANER across the two worlds,
+each beside `tis` and `mask` from the same warm start. `python -m cleaner_jax.study.collapse` counts
+the collapses (aggregate.collapsed) and reads what preceded them (docs/toy_results.md, "The collapse"):
+
+    python -m cleaner_jax.study --config configs/toy_collapse_study.py --workdir runs/toy_collapse_study
+
+- cleaner: faithful SAAR (K=3, gamma 0.9) + GRPO, the spliced tokens trained as sampled.
+- cleaner_splice_corr: each spliced token re-weighted by min(pi_old / pi_b, splice_cap) (saar.splice_correction="tis").
+- cleaner_splice_mask: a spliced token kept only where pi_old / pi_b is within [1/C, C] (saar.splice_correction="mask").
+"""
+from ml_collections import ConfigDict
+
+from cleaner_jax.study.config import study_config
+
+
+def get_config():
+    c = study_config()
+    c.base_config = "configs/toy.py"
+    c.seeds = "0,1,2,3,4,5,6,7"
+    c.baseline = "cleaner"
+    c.benchmark = "toy"
+    c.parallel = 1
+    c.run.train = ConfigDict({"eval_before_train": True, "eval_every": 8})
+    c.arms.cleaner = ConfigDict()
+    c.arms.cleaner_splice_corr = ConfigDict({"saar": {"splice_correction": "tis"}})
+    c.arms.cleaner_splice_mask = ConfigDict({"saar": {"splice_correction": "mask"}})
+    return c
