@@ -44,8 +44,12 @@ class StudyConfig:
     share_compilation_cache: bool = field(
         True, help="every run's train.compilation_cache_dir is <study>/xla_cache: a run loads the programs the runs "
         "before it compiled (its learner's and its rollout server's) instead of compiling them again")
+    share_runs: bool = field(
+        True, help="reuse a finished run with the same run config and code from <cache>/run_cache/ instead of "
+        "training it again, and store each finished run there (study/run_cache.py): an ablation's default point "
+        "and the main study's arm at the same seeds are one run")
     cache_dir: str = field(
-        "", help="where warm_cache/ and xla_cache/ live: '' is the study's workdir; a directory (relative: to the "
+        "", help="where warm_cache/, xla_cache/ and run_cache/ live: '' is the study's workdir; a directory (relative: to the "
         "current one) several studies of one base config name share their warm starts, step-0 evaluations and "
         "compiled programs (configs/_ablation.py)")
     tail_steps: int = field(1, ge=1, help="training-rollout metrics: the summary's 'last' is the mean of the last N steps")
@@ -72,12 +76,20 @@ class Study:
     def shared_dirs(self, workdir: Path) -> dict[str, str]:
         """The directories the runs of a study under `workdir` share (run keys of STUDY_SET)."""
         keys = {}
-        root = Path(self.settings.cache_dir).resolve() if self.settings.cache_dir else workdir
+        root = self.cache_root(workdir)
         if self.settings.share_warm_start:
             keys["warmup_sft.cache_dir"] = str(root / "warm_cache")
         if self.settings.share_compilation_cache:
             keys["train.compilation_cache_dir"] = str(root / "xla_cache")
         return keys
+
+    def run_cache_dir(self, workdir: Path) -> Path | None:
+        """Where finished runs are shared (`share_runs`), beside warm_cache/ and xla_cache/; None without it."""
+        return self.cache_root(workdir) / "run_cache" if self.settings.share_runs else None
+
+    def cache_root(self, workdir: Path) -> Path:
+        """`cache_dir` (resolved), or the study's workdir when it is ''."""
+        return Path(self.settings.cache_dir).resolve() if self.settings.cache_dir else workdir
 
     def run_config(self, arm: Arm, seed: int, workdir: Path | None) -> ml_collections.ConfigDict:
         """The run config of `arm` at `seed` in a study under `workdir`: the base file's, with the

@@ -23,9 +23,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cleaner_jax.study import run_cache
 from cleaner_jax.study.config import ROOT, Arm, Study
 
-DONE = "DONE"
+DONE = run_cache.DONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,15 @@ class RunSpec:
     seed: int
     workdir: Path
     command: tuple[str, ...]
+    cache: Path | None = None  # the shared run cache (`share_runs`), or None
+    key: str = ""  # the run's key there (`run_cache.run_key`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    rc: int
+    seconds: float
+    reused_from: Path | None = None  # the cached run copied instead of training
 
 
 def cli_value(value: Any) -> str:
@@ -59,7 +69,9 @@ def train_command(study: Study, arm: Arm, seed: int, workdir: Path, python: str 
 def plan(study: Study, workdir: Path) -> list[RunSpec]:
     """Every run, seed-major (the arms of a seed one after another: the first builds the shared warm start)."""
     arms = {a.name: a for a in study.arms}
-    return [RunSpec(name, seed, run_dir(workdir, name, seed), train_command(study, arms[name], seed, workdir))
+    cache = study.run_cache_dir(workdir)
+    return [RunSpec(name, seed, run_dir(workdir, name, seed), train_command(study, arms[name], seed, workdir), cache,
+                    run_cache.run_key(study.run_config(arms[name], seed, workdir)) if cache is not None else "")
             for seed in study.seeds for name in arms]
 
 
@@ -81,8 +93,19 @@ class _Children:
                     p.terminate()  # train's own cleanup stops its rollout server and sandbox
 
 
-def execute(run: RunSpec, children: _Children) -> tuple[int, float]:
-    """Run one train command to its end; returns (exit status, seconds). DONE written on success."""
+def started(run: RunSpec) -> bool:
+    """Whether the run's workdir holds anything (a killed run: it resumes, never replaced by a copy)."""
+    return run.workdir.exists() and any(run.workdir.iterdir())
+
+
+def execute(run: RunSpec, children: _Children) -> Outcome:
+    """Run one train command to its end, or copy the same run from the run cache; DONE written on
+    success, and a trained run published to the cache."""
+    if run.cache is not None and not started(run):
+        source = run_cache.cached_run(run.cache, run.key)
+        if source is not None:
+            run_cache.adopt(source, run.workdir, list(run.command))
+            return Outcome(0, 0.0, source)
     run.workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(run.workdir / "console.log", "a", encoding="utf-8") as log:
@@ -103,7 +126,9 @@ def execute(run: RunSpec, children: _Children) -> tuple[int, float]:
         tmp = run.workdir / f".{DONE}.partial"
         tmp.write_text(json.dumps(marker, indent=2))
         tmp.rename(run.workdir / DONE)
-    return rc, seconds
+        if run.cache is not None:
+            run_cache.publish(run.workdir, run.cache, run.key)
+    return Outcome(rc, seconds)
 
 
 def run_study(study: Study, workdir: Path) -> list[RunSpec]:
@@ -125,10 +150,13 @@ def run_study(study: Study, workdir: Path) -> list[RunSpec]:
             try:
                 for fut in concurrent.futures.as_completed(futures):
                     r = futures[fut]
-                    rc, seconds = fut.result()
-                    how = "done" if rc == 0 else f"FAILED (exit {rc}; see {r.workdir / 'console.log'})"
-                    tqdm.write(f"{r.arm} seed {r.seed}: {how} in {seconds:.0f} s")
-                    if rc != 0:
+                    out = fut.result()
+                    if out.reused_from is not None:
+                        tqdm.write(f"{r.arm} seed {r.seed}: the same run, reused from {out.reused_from}")
+                    else:
+                        how = "done" if out.rc == 0 else f"FAILED (exit {out.rc}; see {r.workdir / 'console.log'})"
+                        tqdm.write(f"{r.arm} seed {r.seed}: {how} in {out.seconds:.0f} s")
+                    if out.rc != 0:
                         failed.append(r)
                     bar.update(1)
             except BaseException:
