@@ -11,20 +11,22 @@ the collapses (aggregate.collapsed) and reads what preceded them (docs/toy_resul
 - cleaner_splice_corr: each spliced token re-weighted by min(pi_old / pi_b, splice_cap) (saar.splice_correction="tis").
 - cleaner_splice_mask: a spliced token kept only where pi_old / pi_b is within [1/C, C] (saar.splice_correction="mask").
 """
-from ml_collections import ConfigDict
+import os
+import sys
 
-from cleaner_jax.study.config import study_config
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ml_collections import ConfigDict  # noqa: E402
+
+from toy_study import get_config as toy_study_config  # noqa: E402
 
 
 def get_config():
-    c = study_config()
-    c.base_config = "configs/toy.py"
+    c = toy_study_config()  # the README world's study settings (base config, evaluations, benchmark)
     c.seeds = "0,1,2,3,4,5,6,7"
     c.baseline = "cleaner"
-    c.benchmark = "toy"
-    c.parallel = 1
-    c.run.train = ConfigDict({"eval_before_train": True, "eval_every": 8})
-    c.arms.cleaner = ConfigDict()
-    c.arms.cleaner_splice_corr = ConfigDict({"saar": {"splice_correction": "tis"}})
-    c.arms.cleaner_splice_mask = ConfigDict({"saar": {"splice_correction": "mask"}})
+    c.arms = ConfigDict({
+        "cleaner": ConfigDict(),
+        "cleaner_splice_corr": ConfigDict({"saar": {"splice_correction": "tis"}}),
+        "cleaner_splice_mask": ConfigDict({"saar": {"splice_correction": "mask"}}),
+    })
     return c

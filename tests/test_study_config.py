@@ -158,6 +158,8 @@ def test_the_collapse_studies_put_cleaner_beside_tis_and_mask_on_the_same_seeds(
     main = validate_study(load_module(ROOT / "configs" / "recoverable_study.py").get_config())
     mask = validate_study(load_module(ROOT / "configs" / "recoverable_mask_study.py").get_config())
     assert readme.seeds == main.seeds == mask.seeds == tuple(range(8))
+    assert [a.name for a in readme.arms] == ["cleaner", "cleaner_splice_corr", "cleaner_splice_mask"]
+    assert [a.name for a in mask.arms] == ["cleaner_splice_mask"]
     worlds = {"toy": {a.name: validate(readme.run_config(a, 3, tmp_path / "readme")) for a in readme.arms},
               "toy_recoverable": {**{a.name: validate(main.run_config(a, 3, tmp_path / "main")) for a in main.arms},
                                   **{a.name: validate(mask.run_config(a, 3, tmp_path / "mask")) for a in mask.arms}}}
