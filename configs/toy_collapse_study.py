@@ -3,7 +3,7 @@ corrections on the same 8 seeds, 16 RL steps each. With the recoverable world's 
 (configs/recoverable_study.py, `cleaner` and `cleaner_splice_corr`) and its `mask` arm
 (configs/recoverable_mask_study.py) it gives 16 seed-runs of faithful CLEANER across the two worlds,
 each beside `tis` and `mask` from the same warm start. `python -m cleaner_jax.study.collapse` counts
-the collapses (aggregate.collapsed) and reads what preceded them (docs/toy_results.md, "The collapse"):
+the collapses (aggregate.collapsed) and reads what preceded them (docs/study.md, "Collapses across studies"):
 
     python -m cleaner_jax.study --config configs/toy_collapse_study.py --workdir runs/toy_collapse_study
 

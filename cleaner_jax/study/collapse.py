@@ -1,5 +1,5 @@
 """Collapses across studies: which runs collapsed, what their metrics did before, and whether a
-threshold on an early-run metric would have flagged them (docs/toy_results.md, "The collapse").
+threshold on an early-run metric would have flagged them (docs/study.md, "Collapses across studies").
 
     python -m cleaner_jax.study.collapse runs/toy_study runs/recoverable_study [--early-steps 5]
         [--arms cleaner,cleaner_splice_corr,cleaner_mask] [--out runs/collapse.md]
@@ -18,12 +18,13 @@ import argparse
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from cleaner_jax.study import aggregate
+from cleaner_jax.viz.plots import study_runs
 
 # precursor name -> the per-step metric it reduces (docs/metrics.md); the early window's mean, and
 # for the spliced-token metrics only over steps that had spliced tokens (elsewhere they are 0/0)
@@ -109,15 +110,9 @@ def read_study(workdir: Path, arms: Sequence[str] | None, early_steps: int) -> l
         raise FileNotFoundError(f"{workdir}: no study_config.json (not a study directory: "
                                 "python -m cleaner_jax.study writes one)")
     benchmark = json.loads(config.read_text())["benchmark"]
-    out = []
-    for done in sorted((workdir / "runs").glob("*/seed_*/DONE")):
-        run = done.parent
-        arm, seed = run.parent.name, int(run.name.removeprefix("seed_"))
-        if arms is not None and arm not in arms:
-            continue
-        rows = aggregate.read_metrics(run / "tb" / "metrics.jsonl")
-        out.append(record(workdir.name, arm, seed, rows, benchmark, early_steps))
-    return out
+    return [record(workdir.name, arm, seed, aggregate.read_metrics(run / "tb" / "metrics.jsonl"), benchmark, early_steps)
+            for arm, seeds in study_runs(workdir).items() if arms is None or arm in arms
+            for seed, run in seeds.items()]
 
 
 def _fmt(x: float, digits: int = 3) -> str:
