@@ -23,6 +23,12 @@ class GenOutput:
     (SGLang keeps it in `output_ids`). `output_logprobs[i]` is log p(output_ids[i]) under
     `log_softmax(logits / temperature)` before top-p/top-k truncation (raw logits for greedy),
     or None when log-probs were not requested.
+
+    `weight_version` is the label of the weights the server reports for the request (SGLang's
+    `meta_info.weight_version`: "default" until the first update, then whatever the trainer's
+    sync named them, "step-N"). `output_versions` is set only when one completion spans a weight
+    update (a turn paused, the weights replaced, the turn continued): the policy version of each
+    output token. `token_versions()` gives the per-token versions in both cases.
     """
 
     output_ids: list[int]
@@ -31,12 +37,36 @@ class GenOutput:
     matched_stop: int | None = None  # the stop token id when finish_reason == "stop"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     weight_version: str | None = None
+    output_versions: tuple[int, ...] | None = None  # [len(output_ids)] policy versions, or None: all of `weight_version`
 
     def __post_init__(self) -> None:
         if self.output_logprobs is not None and len(self.output_logprobs) != len(self.output_ids):
             raise ValueError(
                 f"GenOutput: {len(self.output_logprobs)} log-probs for {len(self.output_ids)} tokens"
             )
+        if self.output_versions is not None and len(self.output_versions) != len(self.output_ids):
+            raise ValueError(f"GenOutput: {len(self.output_versions)} versions for {len(self.output_ids)} tokens")
+
+    def token_versions(self) -> tuple[int, ...]:
+        """The policy version (`policy_version`) that produced each output token."""
+        if self.output_versions is not None:
+            return self.output_versions
+        return (policy_version(self.weight_version),) * len(self.output_ids)
+
+
+UNKNOWN_VERSION = -1  # a token whose producing weights are not known (a scripted policy, a foreign label)
+
+
+def policy_version(label: str | None) -> int:
+    """The number of learner updates behind weights labelled `label`: the trainer's sync labels
+    "step-N" give N, the label a server starts with ("default", SGLang's and ours) gives 0 (the
+    run's initial weights: a resumed run's servers are admitted with "step-N" labels), anything
+    else (None, a label another client set) UNKNOWN_VERSION."""
+    if label == "default":
+        return 0
+    if label is not None and label.startswith("step-") and label[5:].isdigit():
+        return int(label[5:])
+    return UNKNOWN_VERSION
 
 
 class Generate(Protocol):
