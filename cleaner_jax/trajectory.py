@@ -7,8 +7,8 @@ Three views of one episode:
   (`attempt > 0`) with the splice decision taken for them, and every execution has exactly one
   observation segment whose `role` says what became of it. Nothing is ever removed.
 * `Trajectory` — one flat token buffer (prompt ids + response ids) with per-token loss mask,
-  rollout log-probs, behaviour log-probs and a SAAR-spliced flag, plus the list of segment
-  spans. `saar.purify(raw)` builds the purified one; `raw.flatten()` the unpurified one.
+  rollout log-probs, behaviour log-probs, a SAAR-spliced flag and the policy version that
+  sampled each token, plus the list of segment spans. `saar.purify(raw)` builds the purified one; `raw.flatten()` the unpurified one.
 * `ScoredEpisode` — an episode with its reward and group: what the RL step
   (`cleaner_jax.rl.step`), the evaluation and the dumps consume.
 
@@ -19,6 +19,13 @@ Token/mask alignment convention (used everywhere downstream): in a full sequence
 policy, and `logprobs[t]` is log p(ids[t] | ids[:t]). The learner shifts: the logits at position
 t-1 score token t. Prompt and observation tokens have mask 0 and log-prob 0.0; padding comes from
 `lengths`, never from comparing ids with a pad id.
+
+Policy versions: a policy version is the number of learner updates behind the weights that
+sampled a token (`rollout.protocol.policy_version`: the servers' "step-N" labels). Under
+bounded-staleness asynchronous RL one trajectory can hold tokens of several versions (a turn
+that spans a weight update, a SAAR retry sampled after one), so the version is per token, like
+the log-probs. UNKNOWN_VERSION marks tokens no policy sampled (prompt, observations) and those
+whose weights are not known (a scripted policy, a record written before versions existed).
 """
 from __future__ import annotations
 
@@ -42,6 +49,17 @@ SpliceKind = Literal["none", "shallow", "deep", "kept_raw", "discarded"]
 SpliceCorrection = Literal["none", "tis", "mask", "exclude"]
 # Per-token code of `Trajectory.splice_kind`: which kind of SAAR splice put the token there.
 NOT_SPLICED, SPLICED_SHALLOW, SPLICED_DEEP = 0, 1, 2
+# The policy version of a token whose producing weights are not known (prompt and observation
+# tokens, a scripted policy, a foreign weight label, a record from before versions were kept).
+# Declared here, on the ground floor, so that `rl/` can read versions; `rollout.protocol` re-exports it.
+UNKNOWN_VERSION = -1
+
+
+def _check_versions(versions: Sequence[int] | np.ndarray, where: str) -> None:
+    low = np.asarray(versions, dtype=np.int64)
+    if low.size and low.min() < UNKNOWN_VERSION:
+        raise ValueError(f"{where}: policy versions must be >= 0, or UNKNOWN_VERSION ({UNKNOWN_VERSION}); "
+                         f"got {int(low.min())}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +73,8 @@ class Segment:
     `logprobs`: behaviour log-probs as sampled (turns; None if the engine returned none).
     `rescored_logprobs`: rollout log-prob mode only — log-probs of the spliced tokens of this
     regeneration re-scored in the purified context (call tokens for shallow, all for deep).
+    `versions`: the policy version that sampled each token (turns; `GenOutput.token_versions`);
+    None in records written before versions were kept, read as UNKNOWN_VERSION throughout.
     """
 
     kind: SegmentKind
@@ -71,10 +91,24 @@ class Segment:
     error_label: str | None = None
     infra: bool = False
     text: str | None = None  # observation text (obs only), for dumps and viewers
+    versions: tuple[int, ...] | None = None  # [len(token_ids)] policy versions (turns only)
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"segment has {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens")
+        if self.versions is not None:
+            where = f"{self.kind} segment of turn {self.turn}, attempt {self.attempt}"
+            if self.kind != "turn":
+                raise ValueError(f"{where}: only turn segments carry policy versions (no policy sampled "
+                                 "prompt or observation tokens); leave versions None")
+            if len(self.versions) != len(self.token_ids):
+                raise ValueError(f"{where}: {len(self.versions)} policy versions for {len(self.token_ids)} tokens")
+            _check_versions(self.versions, where)
+
+    def token_versions(self) -> tuple[int, ...]:
+        """The policy version of each token: `versions`, or UNKNOWN_VERSION for every token of an
+        observation, the prompt, or a turn recorded without versions."""
+        return self.versions if self.versions is not None else (UNKNOWN_VERSION,) * len(self.token_ids)
         if (self.kind == "obs") != (self.role is not None):
             raise ValueError(f"obs segments need a role and only they have one (kind={self.kind}, role={self.role})")
 
@@ -92,6 +126,7 @@ class RawTrajectory:
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         for seg in self.segments:
             start = len(ids)
             ids.extend(seg.token_ids)
@@ -99,8 +134,10 @@ class RawTrajectory:
             mask.extend([int(is_turn)] * len(seg.token_ids))
             lp = seg.logprobs if (is_turn and seg.logprobs is not None) else (0.0,) * len(seg.token_ids)
             logprobs.extend(lp)
+            versions.extend(seg.token_versions())
             spans.append(SegmentSpan.of(seg, start, len(ids), spliced=False))
-        return Trajectory.build(self.prompt_ids, ids, mask, logprobs, logprobs, [False] * len(ids), spans)
+        return Trajectory.build(self.prompt_ids, ids, mask, logprobs, logprobs, [False] * len(ids), spans,
+                                policy_version=versions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +174,9 @@ class Trajectory:
     # a regenerated call; SPLICED_DEEP: a regenerated whole turn). Per token, because a turn
     # spliced twice can hold tokens of both kinds while its span carries one label.
     splice_kind: np.ndarray
+    # [R] int32: the policy version that sampled the token (a spliced token: the regeneration's),
+    # UNKNOWN_VERSION on prompt / observation tokens and where the weights are not known.
+    policy_version: np.ndarray
     segments: tuple[SegmentSpan, ...] = ()
     truncated: bool = False
 
@@ -151,17 +191,22 @@ class Trajectory:
         segments: Sequence[SegmentSpan],
         truncated: bool = False,
         splice_kind: Sequence[int] | None = None,
+        policy_version: Sequence[int] | None = None,
     ) -> Trajectory:
         """`splice_kind` (codes NOT_SPLICED / SPLICED_SHALLOW / SPLICED_DEEP) may be left None only
-        when no token is spliced (an unpurified flat trajectory)."""
+        when no token is spliced (an unpurified flat trajectory). `policy_version` None: every
+        token's version unknown (UNKNOWN_VERSION), as for a trajectory built by hand; given, it
+        must be UNKNOWN_VERSION wherever the loss mask is 0 (no policy sampled those tokens)."""
         n = len(response_ids)
         if splice_kind is None:
             if any(spliced):
                 raise ValueError("Trajectory: spliced tokens need their splice_kind (SPLICED_SHALLOW / SPLICED_DEEP)")
             splice_kind = [NOT_SPLICED] * n
+        if policy_version is None:
+            policy_version = [UNKNOWN_VERSION] * n
         for name, arr in (("loss_mask", loss_mask), ("rollout_logprobs", rollout_logprobs),
                           ("behaviour_logprobs", behaviour_logprobs), ("spliced", spliced),
-                          ("splice_kind", splice_kind)):
+                          ("splice_kind", splice_kind), ("policy_version", policy_version)):
             if len(arr) != n:
                 raise ValueError(f"Trajectory: {name} has {len(arr)} entries for {n} response tokens")
         kind = np.asarray(splice_kind, dtype=np.int8)
@@ -169,14 +214,24 @@ class Trajectory:
         if not np.isin(kind, (NOT_SPLICED, SPLICED_SHALLOW, SPLICED_DEEP)).all() or not np.array_equal(kind > 0, flags):
             raise ValueError("Trajectory: splice_kind must be 0 (not spliced), 1 (shallow) or 2 (deep), "
                              "and > 0 exactly where spliced is True")
+        version = np.asarray(policy_version, dtype=np.int32)
+        mask = np.asarray(loss_mask, dtype=np.int32)
+        _check_versions(version, "Trajectory")
+        sampled_by_nobody = np.flatnonzero((mask == 0) & (version != UNKNOWN_VERSION))
+        if len(sampled_by_nobody):
+            t = int(sampled_by_nobody[0])
+            raise ValueError(f"Trajectory: response token {t} has loss mask 0 (prompt or observation) but policy "
+                             f"version {int(version[t])}; only policy tokens carry a version, the others "
+                             f"UNKNOWN_VERSION ({UNKNOWN_VERSION})")
         return Trajectory(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             response_ids=np.asarray(response_ids, dtype=np.int32),
-            loss_mask=np.asarray(loss_mask, dtype=np.int32),
+            loss_mask=mask,
             rollout_logprobs=np.asarray(rollout_logprobs, dtype=np.float32),
             behaviour_logprobs=np.asarray(behaviour_logprobs, dtype=np.float32),
             spliced=flags,
             splice_kind=kind,
+            policy_version=version,
             segments=tuple(segments),
             truncated=truncated,
         )
@@ -201,6 +256,7 @@ class Trajectory:
             behaviour_logprobs=self.behaviour_logprobs[cut],
             spliced=self.spliced[cut],
             splice_kind=self.splice_kind[cut],
+            policy_version=self.policy_version[cut],
             segments=spans,
             truncated=True,
         )

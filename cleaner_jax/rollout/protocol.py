@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Protocol
 
+from cleaner_jax.trajectory import UNKNOWN_VERSION  # declared on the ground floor, where rl/ can read it
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -52,9 +54,6 @@ class GenOutput:
         if self.output_versions is not None:
             return self.output_versions
         return (policy_version(self.weight_version),) * len(self.output_ids)
-
-
-UNKNOWN_VERSION = -1  # a token whose producing weights are not known (a scripted policy, a foreign label)
 
 
 def policy_version(label: str | None) -> int:

@@ -10,8 +10,10 @@ Replay rules, per segment in execution order (docs/authors.md §2.4-§2.7):
 * regeneration `shallow`/`deep`: spliced into the last turn (call segment or whole turn), the
   held-back feedback is dropped; spliced tokens are flagged with the kind of the splice that
   inserted them (`Trajectory.splice_kind`), their behaviour log-probs are the sampled ones (the
-  error was in context), and their rollout log-probs are the
-  re-scored ones when the loop recorded them (`rollout` mode), else the sampled ones;
+  error was in context), their rollout log-probs are the
+  re-scored ones when the loop recorded them (`rollout` mode), else the sampled ones, and their
+  policy version is the regeneration's (the weights that sampled them, which may be newer than
+  the failed turn's when a weight update came between the two);
 * regeneration `kept_raw` (it had no tool call): the feedback and the regeneration are appended
   as they are — the regeneration was sampled in exactly that context, so it is on-policy;
 * regeneration `discarded` (turn cap): it and the feedback are dropped;
@@ -33,13 +35,15 @@ class _Piece:
     rollout: list[float]
     behaviour: list[float]
     kind: list[int]  # per token: NOT_SPLICED, SPLICED_SHALLOW or SPLICED_DEEP
+    versions: list[int]  # per token: the policy version that sampled it (UNKNOWN_VERSION: none / not known)
     call_start: int | None
 
 
 def _piece(seg: Segment) -> _Piece:
     n = len(seg.token_ids)
     lp = list(seg.logprobs) if (seg.kind == "turn" and seg.logprobs is not None) else [0.0] * n
-    return _Piece(seg, list(seg.token_ids), int(seg.kind == "turn"), lp, list(lp), [0] * n, seg.call_start)
+    return _Piece(seg, list(seg.token_ids), int(seg.kind == "turn"), lp, list(lp), [0] * n,
+                  list(seg.token_versions()), seg.call_start)
 
 
 def _splice_into(last: _Piece, regen: Segment) -> None:
@@ -59,6 +63,7 @@ def _splice_into(last: _Piece, regen: Segment) -> None:
     last.ids, _ = splice(last.ids, new.ids, *args)
     last.rollout, _ = splice(last.rollout, new.rollout, *args)
     last.behaviour, _ = splice(last.behaviour, new.behaviour, *args)
+    last.versions, _ = splice(last.versions, new.versions, *args)
     last.kind, cut = splice(last.kind, new.kind, *args)
     last.call_start = cut if decision == "shallow" else regen.call_start  # shallow: call begins where old did
 
@@ -104,6 +109,7 @@ def _assemble(prompt_ids: tuple[int, ...], pieces: list[_Piece]) -> Trajectory:
     rollout: list[float] = []
     behaviour: list[float] = []
     kind: list[int] = []
+    versions: list[int] = []
     spans: list[SegmentSpan] = []
     for p in pieces:
         start = len(ids)
@@ -112,9 +118,10 @@ def _assemble(prompt_ids: tuple[int, ...], pieces: list[_Piece]) -> Trajectory:
         rollout += p.rollout
         behaviour += p.behaviour
         kind += p.kind
+        versions += p.versions
         span = SegmentSpan.of(p.seg, start, len(ids), spliced=False)
         if any(p.kind):
             span = dataclasses.replace(span, spliced="deep" if all(p.kind) else "shallow")
         spans.append(span)
     return Trajectory.build(prompt_ids, ids, mask, rollout, behaviour, [k > 0 for k in kind], spans,
-                            splice_kind=kind)
+                            splice_kind=kind, policy_version=versions)
