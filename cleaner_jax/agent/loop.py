@@ -99,6 +99,7 @@ class _Turn:
     ids: list[int]
     logprobs: tuple[float, ...] | None
     call_start: int | None
+    versions: tuple[int, ...]  # [len(ids)] the policy version of each token (`GenOutput.token_versions`)
 
 
 class AgentLoop:
@@ -137,7 +138,8 @@ class AgentLoop:
             turn, termination = await self._generate_turn(st, ignore_len_limit=False)
             if turn is None:
                 break
-            st.segments.append(Segment("turn", tuple(turn.ids), st.assistant_turns, 0, turn.call_start, turn.logprobs))
+            st.segments.append(Segment("turn", tuple(turn.ids), st.assistant_turns, 0, turn.call_start, turn.logprobs,
+                                       versions=turn.versions))
             if termination is not None:
                 break
             termination = await self._process_tools(st)
@@ -160,7 +162,7 @@ class AgentLoop:
         st.last_turn_start = len(st.context)
         st.context += ids
         lps = None if out.output_logprobs is None else tuple(float(x) for x in out.output_logprobs)
-        turn = _Turn(ids, lps, call_start(ids, self.chat.tool_call_id, self.chat.decode))
+        turn = _Turn(ids, lps, call_start(ids, self.chat.tool_call_id, self.chat.decode), tuple(out.token_versions()))
         if not ignore_len_limit and st.response_len >= cfg.max_response_tokens:
             return turn, "length"
         if st.assistant_turns >= cfg.max_assistant_turns:
@@ -230,13 +232,13 @@ class AgentLoop:
             return termination or "context_full"
         if termination in _CAP_REASONS:  # §2.7 row 4: ends on the failing turn, unexecuted
             st.segments.append(Segment("turn", tuple(new.ids), key, attempt, new.call_start, new.logprobs,
-                                       splice="discarded"))
+                                       splice="discarded", versions=new.versions))
             restore()
             self._fail(st, key, "turn_cap")
             return "retry_turn_cap"
         if termination == "answer":  # §2.7 row 3: kept raw, SAAR off, trajectory ends
             st.segments.append(Segment("turn", tuple(new.ids), key, attempt, new.call_start, new.logprobs,
-                                       splice="kept_raw"))
+                                       splice="kept_raw", versions=new.versions))
             self._fail(st, key, "no_tool_call")
             st.saar_off = True
             return "retry_no_tool_call"
@@ -260,7 +262,8 @@ class AgentLoop:
             temperature = float(self.sampling.get("temperature", 1.0))
             rescored = tuple(await self.rescorer.score(list(st.context), old_start + cut, temperature))
         st.segments.append(Segment("turn", tuple(new.ids), key, attempt, new.call_start, new.logprobs,
-                                   splice=decision, similarity=similarity, rescored_logprobs=rescored))
+                                   splice=decision, similarity=similarity, rescored_logprobs=rescored,
+                                   versions=new.versions))
         ev = st.events[key]
         ev.similarities.append(similarity)
         ev.decisions.append(decision if similarity is not None else "deep_fallback")
