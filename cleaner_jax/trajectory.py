@@ -8,7 +8,8 @@ Three views of one episode:
   observation segment whose `role` says what became of it. Nothing is ever removed.
 * `Trajectory` — one flat token buffer (prompt ids + response ids) with per-token loss mask,
   rollout log-probs, behaviour log-probs, a SAAR-spliced flag and the policy version that
-  sampled each token, plus the list of segment spans. `saar.purify(raw)` builds the purified one; `raw.flatten()` the unpurified one.
+  sampled each token, plus the list of segment spans. `saar.purify(raw)` builds the purified
+  one; `raw.flatten()` the unpurified one.
 * `ScoredEpisode` — an episode with its reward and group: what the RL step
   (`cleaner_jax.rl.step`), the evaluation and the dumps consume.
 
