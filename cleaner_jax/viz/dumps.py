@@ -9,8 +9,17 @@ included, with their error). Each line holds
   a failed rollout, which has no record);
 * `view`: what the viewer shows without a tokenizer or the package's rules: the decoded text
   of every raw segment and its per-token pieces, and the purified trajectory as it was trained
-  on (per-token pieces, loss mask, rollout and behaviour log-probs, splice kind), the SAAR
-  events, the group advantage and the γ that decided shallow vs deep.
+  on (per-token pieces, loss mask, rollout and behaviour log-probs, splice kind, policy
+  version), the SAAR events, the group advantage and the γ that decided shallow vs deep.
+
+Policy versions (`Trajectory.policy_version`, `Segment.versions`) are stored run-length
+encoded, `[[version, count], ...]` (`episode_io.version_runs`): a turn's tokens nearly always
+share one version, so this costs a few numbers per turn where a per-token list would repeat one
+number hundreds of times. The raw record's turns carry theirs (`segments[k].versions`), the view
+a copy for each raw segment (`view.raw[k].versions`, null for an observation or a turn without)
+and the purified trajectory's (`view.purified.policy_version`, UNKNOWN_VERSION = -1 on
+observation tokens). Dumps written before versions were kept have none of these keys; they
+read back, and show, as unknown.
 
 The advantages and old log-probs are the ones the step trained with, handed over by the writer's
 caller (the trainer passes `rl.step.StepOutputs`' fields): the viewer shows what the step
@@ -36,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from cleaner_jax.trajectory import SPLICED_DEEP, SPLICED_SHALLOW, Episode, ScoredEpisode, Segment
-from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict, read_episodes
+from cleaner_jax.viz.episode_io import episode_from_dict, episode_to_dict, read_episodes, version_runs
 
 FORMAT = 2
 Pieces = Callable[[Sequence[int]], list[str]]  # token ids -> one decoded string per token
@@ -108,6 +117,7 @@ def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], 
             "text": s.text if s.text is not None else decode(list(s.token_ids)),
             "pieces": pieces(s.token_ids),
             "logprobs": None if s.logprobs is None else _floats(s.logprobs),
+            "versions": None if s.versions is None else version_runs(s.versions),
         })
     t = ep.purified
     return {
@@ -121,6 +131,7 @@ def episode_view(ep: Episode, pieces: Pieces, decode: Callable[[Sequence[int]], 
             "behaviour_logprobs": _floats(t.behaviour_logprobs),
             "old_logprobs": None if old_logprobs is None else _floats(old_logprobs),
             "splice_kind": t.splice_kind.tolist(),
+            "policy_version": version_runs(t.policy_version.tolist()),
             "truncated": t.truncated,
             "segments": [dataclasses.asdict(s) for s in t.segments],
         },

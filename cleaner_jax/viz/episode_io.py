@@ -8,6 +8,11 @@ also the evaluation records' codec (`eval/records.py`).
 The training run's dumps are format 2 (`viz/dumps.py`: `step_000012.jsonl.gz`, these fields plus
 what the viewer shows); `write_scored_episodes`/`read_episodes` are format 1
 (`step_000012.jsonl`, raw records only), which `viz.dumps.read_step` still reads.
+
+A turn segment's per-token policy versions (`Segment.versions`) are stored run-length encoded,
+`"versions": [[version, count], ...]` in token order (one run per turn unless a weight update
+came in the middle of it), or null when the turn has none. A record written before versions were
+kept has no `versions` key: its turns read back with versions None (UNKNOWN_VERSION).
 """
 from __future__ import annotations
 
@@ -21,11 +26,32 @@ from cleaner_jax.saar.purify import purify
 from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, ScoredEpisode, Segment, ToolStats
 
 
+def version_runs(versions: Sequence[int]) -> list[list[int]]:
+    """Per-token policy versions as runs `[[version, count], ...]` in token order."""
+    runs: list[list[int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == int(v):
+            runs[-1][1] += 1
+        else:
+            runs.append([int(v), 1])
+    return runs
+
+
+def versions_from_runs(runs: Sequence[Sequence[int]], where: str) -> tuple[int, ...]:
+    """The inverse of `version_runs`; `where` names the record in the error."""
+    out: list[int] = []
+    for run in runs:
+        if len(run) != 2 or not all(isinstance(x, int) for x in run) or run[1] < 1:
+            raise ValueError(f"{where}: a policy-version run must be [version, count] with count >= 1, got {run!r}")
+        out += [run[0]] * run[1]
+    return tuple(out)
+
+
 def episode_to_dict(ep: Episode, **extra: Any) -> dict[str, Any]:
     """A JSON-able dict; `extra` (problem uid, reward, ...) is stored alongside."""
     return {
         "prompt_ids": list(ep.raw.prompt_ids),
-        "segments": [dataclasses.asdict(s) for s in ep.raw.segments],
+        "segments": [_segment_to_dict(s) for s in ep.raw.segments],
         "events": [dataclasses.asdict(e) for e in ep.events],
         "stats": dataclasses.asdict(ep.stats),
         "termination": ep.termination,
@@ -40,8 +66,18 @@ def _tuples(d: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
 
 
+def _segment_to_dict(s: Segment) -> dict[str, Any]:
+    return {**dataclasses.asdict(s), "versions": None if s.versions is None else version_runs(s.versions)}
+
+
+def _segment_from_dict(d: dict[str, Any], k: int) -> Segment:
+    runs = d.get("versions")  # absent in records written before versions were kept
+    versions = None if runs is None else versions_from_runs(runs, f"segment {k}")
+    return Segment(**{**_tuples(d), "versions": versions})
+
+
 def episode_from_dict(d: dict[str, Any]) -> Episode:
-    raw = RawTrajectory(tuple(d["prompt_ids"]), tuple(Segment(**_tuples(s)) for s in d["segments"]))
+    raw = RawTrajectory(tuple(d["prompt_ids"]), tuple(_segment_from_dict(s, k) for k, s in enumerate(d["segments"])))
     purified = purify(raw)
     if d["truncated_to"] is not None:
         purified = purified.truncate(d["truncated_to"])

@@ -61,6 +61,44 @@ function el(tag, attrs = {}, ...children) {
 
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
 
+// ---- policy versions: run-length encoded, [[version, count], ...] (viz/dumps.py); -1 is unknown
+// (no policy sampled the token, or its weights are not known). A dump written before versions
+// were kept has none: every token of it is unknown.
+
+function expandRuns(runs, n) {
+  if (runs === null || runs === undefined) return new Array(n).fill(-1);
+  const out = [];
+  for (const [v, c] of runs) for (let j = 0; j < c; j++) out.push(v);
+  if (out.length !== n) throw new Error(`policy versions cover ${out.length} tokens, the segment has ${n}`);
+  return out;
+}
+
+const versionText = v => (v < 0 ? "unknown" : String(v));
+
+// a token whose version differs from the one before it in the same turn gets a visible marker
+function versionAttrs(versions, i, first) {
+  const attrs = { "data-version": versions[i] };
+  if (i > first && versions[i] !== versions[i - 1]) {
+    attrs["data-vlabel"] = `v${versions[i] < 0 ? "?" : versions[i]}`;
+    attrs["data-vprev"] = versions[i - 1];
+  }
+  return attrs;
+}
+
+function versionTitle(attrs) {
+  const v = attrs["data-version"];
+  return `\npolicy version ${versionText(v)}` +
+         ("data-vprev" in attrs ? ` (changes here from ${versionText(attrs["data-vprev"])})` : "");
+}
+
+// "policy version 4" / "policy versions 4 → 5" for a turn's label; "" when every token's is unknown
+function versionLabel(versions) {
+  const seen = versions.filter((v, i) => i === 0 || v !== versions[i - 1]);
+  if (seen.every(v => v < 0)) return "";
+  return seen.length === 1 ? `, policy version ${versionText(seen[0])}`
+                           : `, policy versions ${seen.map(versionText).join(" → ")}`;
+}
+
 // ---- list page
 
 function saarLabel(row) { return row.saar_outcome; }
@@ -153,7 +191,7 @@ function advColour(adv) {
 }
 
 function token(piece, cls, title, attrs = {}) {
-  return el("span", { class: `tok ${cls}`, title, ...attrs, text: piece });
+  return el("span", { class: `tok ${cls}` + ("data-vlabel" in attrs ? " vchange" : ""), title, ...attrs, text: piece });
 }
 
 function segBlock(cls, label, ...content) {
@@ -171,9 +209,10 @@ function rawColumn(ep) {
                   el("div", { class: "text", text: v.prompt_text }))];
   for (const s of v.raw) {
     let label, cls;
+    const versions = expandRuns(s.versions, s.pieces.length);
     if (s.kind === "turn") {
       cls = s.failed_attempt ? "failed" : "turn";
-      label = `turn ${s.turn}, attempt ${s.attempt}`;
+      label = `turn ${s.turn}, attempt ${s.attempt}` + versionLabel(versions);
       if (s.attempt > 0) label += `: regeneration, ${decision(s.similarity, ep.gamma, s.splice)}`;
       if (s.splice === "shallow") label += " (only its call is spliced in; its reasoning is dropped)";
       if (s.failed_attempt) label += " — failed attempt; " + (REPLACED[s.replaced_by] || s.replaced_by);
@@ -194,7 +233,9 @@ function rawColumn(ep) {
       const lp = s.logprobs ? `behaviour log-prob ${fmt(s.logprobs[i], 4)}` : "no log-prob (not sampled)";
       const why = dropped ? "\nnot trained: the shallow splice keeps the failed attempt's reasoning, not this retry's"
                 : replaced ? "\nnot trained: replaced by the retry" : "";
-      return token(p, (s.kind === "turn" ? "m1" : "m0") + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}${why}`);
+      if (s.kind !== "turn") return token(p, "m0" + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}${why}`);
+      const va = versionAttrs(versions, i, 0);
+      return token(p, "m1" + sp, `raw #${i}: ${JSON.stringify(p)}\n${lp}${versionTitle(va)}${why}`, va);
     });
     out.push(segBlock(cls, label, ...toks));
   }
@@ -203,24 +244,28 @@ function rawColumn(ep) {
 
 function purifiedColumn(ep) {
   const t = ep.view.purified;
+  const versions = expandRuns(t.policy_version, t.ids.length);
   const out = [];
   for (const span of t.segments) {
     const toks = [];
     for (let i = span.start; i < span.end; i++) {
       const m = t.loss_mask[i], k = t.splice_kind[i];
+      const va = m ? versionAttrs(versions, i, span.start) : {};
       const cls = `m${m}` + (k ? ` sp${k}` : "");
       const gap = t.behaviour_logprobs[i] - t.rollout_logprobs[i];
       const title = `#${i}: ${JSON.stringify(t.pieces[i])}\nloss mask ${m}` +
         (m ? `, advantage ${fmt(ep.advantage)}` : "") + (k ? `\nspliced (${SPLICE_NAMES[k]})` : "") +
+        (m ? versionTitle(va) : "") +
         (m ? `\nbehaviour log-prob ${fmt(t.behaviour_logprobs[i], 4)}\nrollout log-prob ${fmt(t.rollout_logprobs[i], 4)}` +
              `\nbehaviour − rollout ${fmt(gap, 4)}` +
              (t.old_logprobs ? `\nlearner (old) log-prob ${fmt(t.old_logprobs[i], 4)}` +
                                `\nbehaviour − learner ${fmt(t.behaviour_logprobs[i] - t.old_logprobs[i], 4)}` : "") : "");
-      const tok = token(t.pieces[i], cls, title, { "data-i": i, "data-splice": k, "data-mask": m });
+      const tok = token(t.pieces[i], cls, title, { "data-i": i, "data-splice": k, "data-mask": m, ...va });
       if (m) tok.style.setProperty("--bg", advColour(ep.advantage));
       toks.push(tok);
     }
-    const label = span.kind === "turn" ? `turn ${span.turn}` + (span.spliced !== "none" ? ` (spliced: ${span.spliced})` : "")
+    const label = span.kind === "turn" ? `turn ${span.turn}` + (span.spliced !== "none" ? ` (spliced: ${span.spliced})` : "") +
+                                         versionLabel(versions.slice(span.start, span.end))
                                        : `observation of turn ${span.turn} (${span.role})`;
     out.push(segBlock(span.kind === "turn" ? "turn" : "obs", label, ...toks));
   }
