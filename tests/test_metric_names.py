@@ -20,8 +20,9 @@ from test_console import console_run
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.report import markdown, metric_dict, summarise
 from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
+from cleaner_jax.rl.staleness import staleness_metrics
 from cleaner_jax.saar.metrics import step_metrics
-from cleaner_jax.trajectory import Episode, RawTrajectory, Segment, ToolStats
+from cleaner_jax.trajectory import Episode, RawTrajectory, Segment, ToolStats, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "metrics.md"
@@ -78,11 +79,14 @@ def test_placeholders_match_what_they_stand_for():
         "tool_calls/failure_reason/NameError": "tool_calls/failure_reason/<label>",
         "tool_calls/failure_reason/": "tool_calls/failure_reason/<label>",
         "splice/deep/log_ratio_p95": "splice/<kind>/log_ratio_p95",
+        "async/token_share/lag_0": "async/token_share/lag_<lag>",
+        "async/token_share/lag_12": "async/token_share/lag_<lag>",
     }
     for written, doc in cases.items():
         assert pats[doc].fullmatch(written), (written, doc)
     for written in ["eval/toy/pass_1", "eval/toy/pass@", "splice/other/token_frac", "eval/toy/saar_maybe/mean@2",
-                    "reward/mean/extra", "tool_calls/failure_reason/a/b"]:
+                    "reward/mean/extra", "tool_calls/failure_reason/a/b", "async/token_share/lag_",
+                    "async/token_share/lag_-1"]:
         assert not any(p.fullmatch(written) for p in pats.values()), written
 
 
@@ -139,8 +143,8 @@ def test_eval_first_attempt_metrics_by_hand():
 
 def test_names_a_toy_run_does_not_write_are_documented_too():
     """The names only other settings write: rollout IS and the splice correction (learner/*), a
-    failure reason, a benchmark evaluated with SAAR on and off. Each is produced by the code
-    that writes it, then looked up in docs/metrics.md."""
+    failure reason, a benchmark evaluated with SAAR on and off, the asynchronous staleness. Each
+    is produced by the code that writes it, then looked up in docs/metrics.md."""
     names: set[str] = set()
     ones = jnp.ones((2, 4))
     for cfg in [LossConfig(tis="token", splice_correction="tis"), LossConfig(tis="sequence", tis_mode="mask",
@@ -161,6 +165,11 @@ def test_names_a_toy_run_does_not_write_are_documented_too():
     both = metric_dict(results)
     assert "eval/aime24/saar_on/pass@1" in both
     names |= set(both)
+    stale = Trajectory.build([1], [5, 6, 7], [1, 1, 1], [0.0] * 3, [0.0] * 3, [False] * 3, (),
+                             policy_version=[3, 1, -1])
+    staleness = staleness_metrics([stale], 3)
+    assert {"async/staleness_mean", "async/unknown_version_share", "async/token_share/lag_2"} <= set(staleness)
+    names |= set(staleness)
     pats = documented_patterns(DOC.read_text(encoding="utf-8"))
     undocumented = sorted(k for k in names if not any(p.fullmatch(k) for p in pats.values()))
     assert not undocumented, f"add these to docs/metrics.md (name, meaning, unit): {undocumented}"
