@@ -147,6 +147,19 @@ def test_abort_returns_partial_output():
     assert res.finish_type == "abort" and len(res.output_ids) < 40
 
 
+def test_an_abort_does_not_relabel_a_row_that_already_ended():
+    """A pause aborts every request of the running batch; a row that had already ended keeps its
+    finish (SGLang has answered it by then). Labelled "abort", a turn ending in its stop token
+    would be continued past it (rollout.continue_aborted). Aborts sent before the batch runs:
+    the short row ends at its prefill, before the first decode chunk sees them."""
+    short, long = GenRequest(tuple(PROMPTS[0]), greedy(1), "ended"), GenRequest(tuple(PROMPTS[1]), greedy(40), "cut")
+    engine().abort("ended")
+    engine().abort("cut")
+    done, cut = run([short, long])
+    assert (done.finish_type, done.output_ids) == ("length", hf_greedy(PROMPTS[0], 1))
+    assert cut.finish_type == "abort" and cut.output_ids == hf_greedy(PROMPTS[1], 1)
+
+
 # ------------------------------------------------------------------ decode backends
 
 

@@ -391,7 +391,9 @@ class Engine:
         rids = [r.rid for r in batch.reqs]
         aborted: set[str] = set()
         while not done.all():
-            aborted |= self._take_aborted(rids)
+            # a row that already ended (stop token, length) keeps its finish: SGLang has answered it
+            # by then, and an "abort" ending in a stop token would be continued past it
+            aborted |= {r for r, ended in zip(rids, done) if not ended} & self._take_aborted(rids)
             if aborted:
                 abort_rows = np.array([r in aborted for r in rids] + [False] * (batch.width - n_req))
                 ds = ds._replace(done=programs.logical_or(ds.done, abort_rows))
