@@ -5,8 +5,11 @@ the same compiled engine; everything is built under one temporary directory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +71,31 @@ def hf_logprobs(ids: list[int], temperature: float, seed: int = 0) -> np.ndarray
 def call(url: str, method: str, path: str, body=None, raw: bytes | None = None):
     """One HTTP request with urllib (independent of our client); returns (status, JSON or text)."""
     return http_call(url, method, path, body, raw=raw)
+
+
+@contextlib.contextmanager
+def decode_gate(eng, chunks: int) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Stop the next generation of `eng` inside its batch after `chunks` decode chunks, until the
+    test sets `go`: a request that is surely running (its batch inside the engine, holding it)
+    while the test pauses, flushes or syncs the server, however fast the box decodes (a
+    2000-token greedy run of the tiny model takes 0.3 s on an idle box). Yields (reached, go);
+    `reached` is set when the gate holds the batch; the gate opens on exit."""
+    real = eng._decode
+    reached, go = threading.Event(), threading.Event()
+    calls = 0
+
+    def gated(*args):
+        nonlocal calls
+        calls += 1
+        if calls == chunks + 1:
+            reached.set()
+            if not go.wait(120):
+                raise RuntimeError("decode_gate: the test never opened the gate")
+        return real(*args)
+
+    eng._decode = gated
+    try:
+        yield reached, go
+    finally:
+        go.set()
+        eng._decode = real

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from _rollout_common import call, checkpoint, engine, hf_greedy, hf_logprobs
+from _rollout_common import call, checkpoint, decode_gate, engine, hf_greedy, hf_logprobs
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.server import start_server_in_thread
 
@@ -194,7 +194,10 @@ def test_abort_request_returns_partial_result(server):
 @pytest.mark.timeout(180)
 def test_pause_aborts_then_holds_requests_until_continue(server):
     """SGLang's pause -> (update weights) -> continue flow: pausing aborts the running request,
-    a request sent while paused waits, and runs after /continue_generation on the new weights."""
+    a request sent while paused waits, and runs after /continue_generation on the new weights.
+    It waits outside the scheduler, as SGLang's tokenizer manager holds it: /flush_cache succeeds
+    meanwhile (the weight sync's "flush until idle" would otherwise fail, and a trajectory's
+    continued turn would fail the sync), and a second pause leaves it waiting."""
     results = {}
 
     def send(name, body):
@@ -219,9 +222,16 @@ def test_pause_aborts_then_holds_requests_until_continue(server):
     waiting = threading.Thread(target=send, args=("late", {"input_ids": A, "sampling_params": GREEDY}))
     waiting.start()
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while server.state.scheduler.num_waiting == 0:
+            assert time.monotonic() < deadline, "the request sent while paused never reached the server"
+            time.sleep(0.005)
         assert "late" not in results and server.state.scheduler.paused
         assert call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(checkpoint(1)), "weight_version": "step-1"})[0] == 200
+        assert call(server.url, "POST", "/flush_cache") == (200, "Cache flushed.\n")
+        assert call(server.url, "POST", "/pause_generation", {"mode": "abort"})[0] == 200
+        time.sleep(0.2)
+        assert "late" not in results and server.state.scheduler.num_waiting == 1
         status, out = call(server.url, "POST", "/continue_generation", {})
         assert status == 200 and out["status"] == "ok"
         waiting.join(60)
@@ -234,23 +244,31 @@ def test_pause_aborts_then_holds_requests_until_continue(server):
 
 
 def test_pause_completes_queued_requests_as_aborted():
-    """Requests still in the queue when the pause comes return at once, aborted, with no tokens."""
+    """Requests still in the queue when the pause comes (behind a running batch) return at once,
+    aborted, with no tokens; the running one stops with what it has."""
     from cleaner_jax.rollout.request import GenRequest, SamplingParams
     from cleaner_jax.rollout.scheduler import BatchScheduler
 
+    def req(rid: str, n: int) -> GenRequest:
+        return GenRequest(tuple(A), SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), rid)
+
+    engine().flush_cache()
     sched = BatchScheduler(engine())
     try:
-        sched.pause()  # hold the worker so the next requests stay queued
-        futs = [sched.submit(GenRequest(tuple(A), SamplingParams(max_new_tokens=4, temperature=0.0), f"q{i}"))
-                for i in range(2)]
-        time.sleep(0.2)
-        sched.pause()
-        for fut in futs:
-            res = fut.result(timeout=5)
-            assert (res.finish_type, res.output_ids, res.prompt_tokens) == ("abort", [], len(A))
+        with decode_gate(engine(), chunks=0) as (reached, go):
+            running = sched.submit(req("running", 40))
+            assert reached.wait(60)  # its batch holds the worker: the next requests stay queued
+            futs = [sched.submit(req(f"q{i}", 4)) for i in range(2)]
+            sched.pause()
+            for fut in futs:
+                res = fut.result(timeout=5)
+                assert (res.finish_type, res.output_ids, res.prompt_tokens) == ("abort", [], len(A))
+            go.set()
+            res = running.result(timeout=60)
+            assert (res.finish_type, res.output_ids) == ("abort", hf_greedy(A, 1 + engine().decode_chunk))
         assert sched.num_pending == 0
         sched.resume()
-        again = sched.submit(GenRequest(tuple(A), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True), "q0"))
+        again = sched.submit(req("q0", 4))
         assert again.result(timeout=60).output_ids == hf_greedy(A, 4)  # the drained rid is not remembered as aborted
     finally:
         sched.close()

@@ -1,7 +1,7 @@
 """Weight-sync faults, injected for real into servers this test started (docs/reliability.md rows 5
 and 8): an export that does not fit the served model, a stale export, a second writer changing the
 version, a directory broken after the canary loaded it, a server killed during its update, NaN
-weights, a flush refused while a request is queued, a token budget over the served context.
+weights, a flush refused while a request runs, a token budget over the served context.
 
 Each asserts what the servers kept (their `weight_version` over HTTP, read with urllib), that no
 routed request reaches a server that missed the sync, and the message the run would print.
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from _rollout_common import call, checkpoint, engine, hf_logprobs, workdir
+from _rollout_common import call, checkpoint, decode_gate, engine, hf_logprobs, workdir
 from cleaner_jax.models import params
 from cleaner_jax.models.params import NonFiniteWeightsError
 from cleaner_jax.rollout.client import SGLangClient
@@ -242,26 +242,36 @@ def test_null_logprobs_as_real_sglang_sends_them_are_a_named_error():
     assert issubclass(InvalidLogprobsError, RolloutServerError)  # what Collector._one counts as infra
 
 
-def test_flush_refused_while_a_request_is_queued_then_the_sync_pauses_flushes_and_resumes(servers):
-    """Our server answers /flush_cache like SGLang 0.5.23 while any request is running or queued;
-    the sync pauses generation (the queued request comes back aborted), flushes, resumes."""
+class OpensTheGateOnPause(SGLangClient):
+    """Lets a batch held by `decode_gate` go on once the sync's pause has reached the server (the
+    batch then sees the pause's abort at its next chunk)."""
+
+    def __init__(self, *args, go: threading.Event, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.go = go
+
+    async def pause_generation(self, url: str, mode: str = "abort") -> None:
+        await super().pause_generation(url, mode)
+        self.go.set()
+
+
+def test_flush_refused_while_a_request_runs_then_the_sync_pauses_flushes_and_resumes(servers):
+    """Our server answers /flush_cache like SGLang 0.5.23 while a request runs; the sync pauses
+    generation (the running request comes back aborted with what it had), flushes, resumes."""
     a, _ = servers
-    assert call(a.url, "POST", "/pause_generation", {"mode": "abort"})[0] == 200  # a second client holds the queue
     result: dict = {}
-    queued = threading.Thread(target=lambda: result.update(r=call(a.url, "POST", "/generate", {
-        "input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 4}})))
-    queued.start()
-    deadline = time.monotonic() + 30
-    while a.state.scheduler.num_pending == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert call(a.url, "POST", "/flush_cache") == (400, "Flush cache failed.\n")  # as SGLang 0.5.23 answers
-    client = SGLangClient([a.url], retries=0)
-    report = run(client, sync_weights(client, checkpoint(1), "step-7", probe_ids=PROBE, learner_logprobs=learner(1),
-                                      max_mean_abs_gap=1e-4))
-    queued.join(timeout=30)
+    running = threading.Thread(target=lambda: result.update(r=call(a.url, "POST", "/generate", {
+        "input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}})))
+    with decode_gate(engine(), chunks=1) as (reached, go):
+        running.start()
+        assert reached.wait(60)  # a second client's request is running
+        assert call(a.url, "POST", "/flush_cache") == (400, "Flush cache failed.\n")  # as SGLang 0.5.23 answers
+        client = OpensTheGateOnPause([a.url], retries=0, go=go)
+        report = run(client, sync_weights(client, checkpoint(1), "step-7", probe_ids=PROBE, learner_logprobs=learner(1),
+                                          max_mean_abs_gap=1e-4))
+    running.join(timeout=30)
     status, out = result["r"]
-    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 64
     assert report.probe_gap[a.url] < 1e-4 and set(report.phases) >= {"check_s", "load_s", "probe_s"}
     status, out = call(a.url, "POST", "/generate", {"input_ids": [3, 4, 5],
                                                     "sampling_params": {"temperature": 0, "max_new_tokens": 2}})
@@ -368,30 +378,35 @@ def test_sglang_launch_passes_deterministic_inference_only_when_asked(tmp_path, 
 
 
 def test_flush_that_never_succeeds_fails_after_the_bounded_wait(servers):
-    """A second client's request arrives while the server is paused: it waits in the queue, so the
-    server never goes idle; the sync gives up after idle_timeout_s, resumes generation (the held
-    request then runs) and says why. (A second client sending request after request would let a
-    flush through whenever all its requests happen to be between an answer and the next one.)"""
+    """A second client resumes the paused server right after the update and keeps a request
+    running there, so the server never goes idle; the sync gives up after idle_timeout_s, resumes
+    generation and says why. (A request merely sent during the pause waits outside the scheduler
+    and lets the flush through, as on SGLang: tests/test_rollout_server.py.)"""
     a, _ = servers
     answers: list = []
     second_client = threading.Thread(target=lambda: answers.append(call(a.url, "POST", "/generate", {
-        "input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 2}})))
+        "input_ids": [3, 4, 5], "sampling_params": {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}})))
+    with decode_gate(engine(), chunks=0) as (reached, go):
+        class BusyAfterTheUpdate(SGLangClient):
+            async def update_weights_from_disk(self, url: str, *args, **kwargs):
+                out = await super().update_weights_from_disk(url, *args, **kwargs)
+                assert (await asyncio.to_thread(call, url, "POST", "/continue_generation", {}))[0] == 200
+                second_client.start()
+                assert await asyncio.to_thread(reached.wait, 30)  # its request runs (held by the gate)
+                return out
 
-    class BusyWhilePaused(SGLangClient):
-        async def pause_generation(self, url: str, mode: str = "abort") -> None:
-            await super().pause_generation(url, mode)
-            second_client.start()
-            await asyncio.sleep(0.3)  # its request is queued, held until /continue_generation
-
-    client = BusyWhilePaused([a.url], retries=0)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(WeightSyncError, match=rf"{a.url}/flush_cache still answers 400 'Flush cache failed\.' 0\.5 s "
-                                                  r"after generation was paused.*rollout\.sync_idle_timeout_s"):
-            run(client, sync_weights(client, checkpoint(1), "step-8", idle_timeout_s=0.5))
-        assert time.monotonic() - t0 < 30
-    finally:
-        second_client.join(timeout=60)
-    assert not second_client.is_alive() and [status for status, _ in answers] == [200]  # generation resumed
-    assert answers[0][1]["meta_info"]["finish_reason"]["type"] == "length"  # it ran, after the continue
+        client = BusyAfterTheUpdate([a.url], retries=0)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(WeightSyncError, match=rf"{a.url}/flush_cache still answers 400 'Flush cache failed\.' 0\.5 s "
+                                                      r"after generation was paused.*rollout\.sync_idle_timeout_s"):
+                run(client, sync_weights(client, checkpoint(1), "step-8", idle_timeout_s=0.5))
+            assert time.monotonic() - t0 < 30
+        finally:
+            go.set()
+            if second_client.ident is not None:
+                second_client.join(timeout=60)
+    assert not second_client.is_alive() and [status for status, _ in answers] == [200]
+    assert answers[0][1]["meta_info"]["finish_reason"]["type"] == "length"  # it ran to its end once let go
+    assert not a.state.scheduler.paused  # the sync resumed generation before failing
     assert a.url in client.out_of_rotation

@@ -32,13 +32,14 @@ class BatchScheduler:
         self.engine = engine
         self.max_wait_s = max_wait_s
         self._queue: queue.Queue[_Item | None] = queue.Queue()
-        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._pending: dict[str, concurrent.futures.Future] = {}  # queued or running: what a flush waits for
         self._pending_lock = threading.Lock()
         self._closed = False
         self._unpaused = threading.Event()  # cleared by pause(): no new batch starts
         self._unpaused.set()
-        self._held: _Item | None = None  # taken off the queue by the worker during a pause
-        self._hold_lock = threading.Lock()
+        # submitted during a pause: outside the queue until resume(), as SGLang's tokenizer manager
+        # holds them before its scheduler, so a paused server is idle once its batch has stopped
+        self._waiting: dict[str, _Item] = {}
         self.batches_run = 0  # observable for tests and logs
         self._thread = threading.Thread(target=self._worker, name="engine-batcher", daemon=True)
         self._thread.start()
@@ -50,6 +51,9 @@ class BatchScheduler:
         self.engine.validate(req)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._pending_lock:
+            if not self._unpaused.is_set():
+                self._waiting[req.rid] = (req, fut)
+                return fut
             self._pending[req.rid] = fut
         self._queue.put((req, fut))
         return fut
@@ -58,42 +62,46 @@ class BatchScheduler:
         return await asyncio.wrap_future(self.submit(req))
 
     def abort(self, rid: str) -> None:
-        """Abort a queued or running request: it completes with finish type "abort"."""
+        """Abort a queued, running or waiting request: it completes with finish type "abort"."""
         # under the pending lock: a request's batch forgets its aborts under the same lock, so an
         # abort racing the end of its batch can never stay behind in the engine's abort set
         with self._pending_lock:
             if rid in self._pending:
                 self.engine.abort(rid)
+            waiting = self._waiting.pop(rid, None)
+        if waiting is not None:  # its caller went away before the pause ended
+            self._complete_aborted([waiting])
 
     def abort_all(self) -> None:
+        """Abort every queued or running request (SGLang's `abort_all` reaches its scheduler's
+        requests; those waiting for the end of a pause are not there yet)."""
         with self._pending_lock:
             for rid in self._pending:
                 self.engine.abort(rid)
 
     def pause(self) -> None:
         """SGLang's `/pause_generation` in "abort" mode: abort every request, running or queued,
-        and hold new ones in the queue until `resume()`, so weights can be swapped between.
+        and keep new ones waiting until `resume()`, so weights can be swapped between.
 
         Queued requests complete at once with finish type "abort" and no tokens; the running
-        batch stops at its next decode chunk with what it has.
+        batch stops at its next decode chunk with what it has. Requests submitted while paused
+        wait outside the queue (`num_pending` does not count them, so `/flush_cache` succeeds
+        once the running batch has stopped) and run after `resume()` on whatever weights were
+        loaded meanwhile; a second pause leaves them waiting, as SGLang's pause does.
         """
-        self._unpaused.clear()
-        with self._hold_lock:
-            held, self._held = self._held, None
-        queued = ([held] if held is not None else []) + self._drain()
-        for req, fut in queued:
-            with self._pending_lock:
-                self._pending.pop(req.rid, None)
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(GenResult(
-                    rid=req.rid, output_ids=[], output_logprobs=[], finish_type="abort", matched=None,
-                    prompt_tokens=len(req.input_ids), cached_tokens=0, weight_version=self.engine.weight_version,
-                ))
+        with self._pending_lock:
+            self._unpaused.clear()
+        self._forget(self._drain())
         self.abort_all()  # what is still pending is in the running batch
 
     def resume(self) -> None:
-        """`/continue_generation`: run what was queued while paused, and everything after."""
-        self._unpaused.set()
+        """`/continue_generation`: run the requests that waited during the pause, and everything after."""
+        with self._pending_lock:  # set before they are queued: the worker aborts what it takes while paused
+            self._unpaused.set()
+            waiting, self._waiting = list(self._waiting.values()), {}
+            for req, fut in waiting:
+                self._pending[req.rid] = fut
+                self._queue.put((req, fut))
 
     @property
     def paused(self) -> bool:
@@ -101,14 +109,44 @@ class BatchScheduler:
 
     def close(self) -> None:
         self._closed = True
-        self._unpaused.set()
         self._queue.put(None)
         self._thread.join(timeout=60)
+        with self._pending_lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for _, fut in waiting:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("BatchScheduler closed while the request waited for the end of a pause"))
 
     @property
     def num_pending(self) -> int:
+        """Requests queued or running: SGLang's scheduler is idle (and flushes) when it holds none;
+        requests waiting for the end of a pause are not in it (`num_waiting`)."""
         with self._pending_lock:
             return len(self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted during a pause, waiting for `resume()`."""
+        with self._pending_lock:
+            return len(self._waiting)
+
+    def _forget(self, items: list[_Item]) -> None:
+        """Answer queued requests as aborted without running them; the engine forgets any abort
+        sent to them (a rid used again must run)."""
+        with self._pending_lock:
+            for req, _ in items:
+                self._pending.pop(req.rid, None)
+            self.engine.forget_aborts([req.rid for req, _ in items])
+        self._complete_aborted(items)
+
+    def _complete_aborted(self, items: list[_Item]) -> None:
+        """Answer requests that never reached a batch: finish type "abort", no tokens."""
+        for req, fut in items:
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(GenResult(
+                    rid=req.rid, output_ids=[], output_logprobs=[], finish_type="abort", matched=None,
+                    prompt_tokens=len(req.input_ids), cached_tokens=0, weight_version=self.engine.weight_version,
+                ))
 
     def _collect(self, first: _Item) -> tuple[list[_Item], bool]:
         batch, stop = [first], False
@@ -131,14 +169,11 @@ class BatchScheduler:
             first = self._queue.get()
             if first is None:
                 break
-            if not self._unpaused.is_set():  # it came in during a pause: hold it for resume()
-                with self._hold_lock:
-                    self._held = first
-                self._unpaused.wait()
-                with self._hold_lock:
-                    first, self._held = self._held, None
-                if first is None:  # a later pause() aborted it
-                    continue
+            if not self._unpaused.is_set():
+                # queued before the pause (those submitted during it wait outside the queue), and
+                # taken here before pause() drained it: aborted like the rest of the queue
+                self._forget([first])
+                continue
             batch, stop = self._collect(first)
             live = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
             self.batches_run += 1

@@ -205,7 +205,9 @@ async def v1_models(_: web.Request, state: ServerState) -> web.Response:
 async def flush_cache(_: web.Request, state: ServerState) -> web.Response:
     """Like SGLang 0.5.23: refused with 400 `Flush cache failed.` while any request is running or
     queued (the weight sync pauses generation first), so tests on this server exercise the same
-    path as a real fleet (docs/sglang_api.md §5.2)."""
+    path as a real fleet (docs/sglang_api.md §5.2). Requests sent during a pause wait outside the
+    scheduler (SGLang: in its tokenizer manager) and do not count: the sync's flush succeeds while
+    a trajectory's next request waits for `/continue_generation`."""
     if state.scheduler.num_pending:
         return web.Response(status=400, text="Flush cache failed.\n")  # SGLang 0.5.23 byte for byte
     await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
@@ -294,9 +296,12 @@ async def _memory_occupation(request: web.Request, state: ServerState, release: 
     body = await read_json_object(request, empty_ok=True)
     tags = body.get("tags")
     name = "release_memory_occupation" if release else "resume_memory_occupation"
-    if release and state.scheduler.num_pending:
+    # stricter than SGLang, whose idle check misses requests waiting for the end of a pause: they
+    # would run on released memory after /continue_generation
+    busy = state.scheduler.num_pending + state.scheduler.num_waiting
+    if release and busy:
         return error_response(400, f"{name} should be called only when server is idle "
-                                   f"({state.scheduler.num_pending} requests running or queued)")
+                                   f"({busy} requests running, queued or waiting for /continue_generation)")
     engine = state.engine
     act = engine.release_memory if release else engine.resume_memory
     try:
