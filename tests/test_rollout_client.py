@@ -333,3 +333,59 @@ def test_a_timeout_log_shows_sub_second_timeouts(caplog):
     finally:
         srv.stop()
     assert "no answer within 0.5 s" in caplog.text
+
+
+def test_a_session_waits_out_its_servers_weight_sync_and_is_lost_when_it_fails():
+    """`sync_wait_s` (rollout.continue_aborted): a trajectory's next call waits while its server is
+    out of the rotation for a sync (no request reaches it), goes on once the server passed, and is
+    lost when the sync fails or outlasts the wait; before its first answer a session waits for any
+    server. Without `sync_wait_s` a syncing server loses the trajectory at once, as before."""
+    a = fake_server(ok)
+    syncing = "not yet verified on weights 'step-1'"
+
+    async def go():
+        client = SGLangClient([a.url], retries=0, sync_wait_s=30)
+        sess = client.session("t")
+        await sess([1, 2], {"max_new_tokens": 1})
+        client.take_out_of_rotation(a.url, syncing, syncing=True)
+        turn = asyncio.ensure_future(sess([1, 2, 7, 8], {"max_new_tokens": 1}))
+        await asyncio.sleep(0.3)
+        held = (not turn.done(), len(a.hits))
+        client.put_in_rotation(a.url)  # passed its sync
+        await asyncio.wait_for(turn, 10)
+        client.take_out_of_rotation(a.url, syncing, syncing=True)
+        turn = asyncio.ensure_future(sess([1, 2, 7, 8, 9], {"max_new_tokens": 1}))
+        await asyncio.sleep(0.1)
+        client.take_out_of_rotation(a.url, "failed the sync to 'step-1': probe gap")
+        with pytest.raises(ServerLostError, match=r"left the rotation \(failed the sync to 'step-1'"):
+            await asyncio.wait_for(turn, 10)
+        first = asyncio.ensure_future(client.session("u")([1], {"max_new_tokens": 1}))  # every server syncing
+        client.take_out_of_rotation(a.url, syncing, syncing=True)
+        await asyncio.sleep(0.3)
+        first_held = not first.done()
+        client.put_in_rotation(a.url)
+        await asyncio.wait_for(first, 10)
+        short = SGLangClient([a.url], retries=0, sync_wait_s=0.2)
+        late = short.session("t")
+        await late([1], {"max_new_tokens": 1})
+        short.take_out_of_rotation(a.url, syncing, syncing=True)
+        with pytest.raises(ServerLostError, match=r"still out of the rotation 0\.2 s later, waiting for its weight "
+                                                  r"sync \(rollout\.server_wait_s\)"):
+            await late([1, 7], {"max_new_tokens": 1})
+        plain = SGLangClient([a.url], retries=0)
+        lost = plain.session("t")
+        await lost([1], {"max_new_tokens": 1})
+        plain.take_out_of_rotation(a.url, syncing, syncing=True)
+        t0 = time.monotonic()
+        with pytest.raises(ServerLostError, match="left the rotation"):
+            await lost([1, 7], {"max_new_tokens": 1})
+        for c in (client, short, plain):
+            await c.close()
+        return held, first_held, time.monotonic() - t0
+
+    try:
+        (pending, hits), first_held, lost_after = asyncio.run(go())
+    finally:
+        a.stop()
+    assert pending and hits == 1  # the turn waited, and nothing reached the syncing server
+    assert first_held and lost_after < 0.1

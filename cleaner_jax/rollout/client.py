@@ -18,7 +18,9 @@ is taken out of the rotation as `unreachable` (the rollout fleet, `rollout/fleet
 back once it serves the current weights). A trajectory's session (`client.session(key)`) is
 pinned to the server of its first answer: when that server dies, times out or leaves the
 rotation mid-trajectory, the session raises `ServerLostError` at once, and the collector
-regenerates the whole episode from its start elsewhere (its KV and prefix are gone).
+regenerates the whole episode from its start elsewhere (its KV and prefix are gone). A weight
+sync takes its servers out too, unless the client waits for syncs (`sync_wait_s`, from
+`rollout.continue_aborted`): then a session waits until its server passed the sync, and goes on.
 
 Timeouts: `connect_timeout_s` bounds opening a connection; a request may then wait for its
 answer `timeout_s + read_timeout_per_token_s * max_new_tokens` seconds, so a 20k-token turn gets
@@ -93,6 +95,7 @@ class SGLangClient:
         vocab_size: int | None = None,
         max_routes: int = 100_000,
         keepalive_s: float | None = None,
+        sync_wait_s: float | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -109,6 +112,9 @@ class SGLangClient:
         self.keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
         if not self.keepalive_s > 0:
             raise ValueError(f"SGLangClient: keepalive_s={keepalive_s} must be > 0 (and below the server's idle timeout)")
+        if sync_wait_s is not None and not sync_wait_s > 0:
+            raise ValueError(f"SGLangClient: sync_wait_s={sync_wait_s} must be > 0, or None (a sync loses sessions)")
+        self.sync_wait_s = sync_wait_s  # seconds a session waits for its server's weight sync; None: lost at once
         # what went wrong since the last `take_counters()`: request_timeouts, request_failovers,
         # servers_lost (taken out of the rotation as unreachable), trajectories_lost (ServerLostError raised)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -121,6 +127,7 @@ class SGLangClient:
         # url -> why it may not take routed requests (e.g. it has not passed the current weight
         # sync); requests pinned to a server (`server=`) still reach it: the sync's own probe.
         self._out_of_rotation: dict[str, str] = {}
+        self._syncing: set[str] = set()  # of those, the servers a weight sync is updating: expected back
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -325,13 +332,41 @@ class SGLangClient:
             raise RolloutServerError(f"no rollout server is in rotation ({why})")
         return rotation
 
-    def take_out_of_rotation(self, url: str, reason: str) -> None:
+    def take_out_of_rotation(self, url: str, reason: str, *, syncing: bool = False) -> None:
         """Route no new request (and no trajectory's next turn) to `url` until `put_in_rotation`;
-        the weight sync does this to every server it has not yet verified on the new weights."""
-        self._out_of_rotation[self._by_url(url).url] = reason
+        the weight sync does this to every server it has not yet verified on the new weights, with
+        `syncing` (it is expected back: sessions may wait for it, `sync_wait_s`)."""
+        url = self._by_url(url).url
+        self._out_of_rotation[url] = reason
+        (self._syncing.add if syncing else self._syncing.discard)(url)
 
     def put_in_rotation(self, url: str) -> None:
-        self._out_of_rotation.pop(self._by_url(url).url, None)
+        url = self._by_url(url).url
+        self._out_of_rotation.pop(url, None)
+        self._syncing.discard(url)
+
+    async def wait_for_sync(self, url: str | None, poll_s: float = 0.05) -> None:
+        """Return once `url` (None: some server) is not out of the rotation for a weight sync in
+        progress; at once when the client does not wait for syncs (`sync_wait_s` None). Past
+        `sync_wait_s` a pinned session's server counts as lost (`ServerLostError`)."""
+        def syncing() -> bool:
+            if url is not None:
+                return url in self._syncing
+            return bool(self._syncing) and all(s.url in self._out_of_rotation for s in self.servers)
+
+        if self.sync_wait_s is None or not syncing():
+            return
+        deadline = asyncio.get_running_loop().time() + self.sync_wait_s
+        while syncing():
+            if asyncio.get_running_loop().time() > deadline:
+                why = "; ".join(f"{u}: {r}" for u, r in self._out_of_rotation.items() if url in (None, u))
+                if url is None:
+                    raise RolloutServerError(f"no rollout server came back from its weight sync within "
+                                             f"{self.sync_wait_s:g} s (rollout.server_wait_s): {why}")
+                self.counters["trajectories_lost"] += 1
+                raise ServerLostError(url, f"still out of the rotation {self.sync_wait_s:g} s later, waiting for "
+                                           f"its weight sync (rollout.server_wait_s): {why}")
+            await asyncio.sleep(poll_s)
 
     @property
     def out_of_rotation(self) -> dict[str, str]:
@@ -448,14 +483,16 @@ class RoutedGenerate:
     The first call is routed by key (and, failing, retried on another server: nothing is lost
     yet); every later call is pinned to the server that answered it. When that server times
     out, dies or leaves the rotation, `ServerLostError` is raised at once: the trajectory must be
-    regenerated from its start (`agent/collect.py`)."""
+    regenerated from its start (`agent/collect.py`). With the client's `sync_wait_s`, a call
+    first waits out a weight sync of its server (`SGLangClient.wait_for_sync`)."""
 
     def __init__(self, client: SGLangClient, route_key: str) -> None:
         self.client = client
         self.route_key = route_key
         self.server: _Server | None = None  # the server holding this trajectory's prefix, once it answered
 
-    def _pinned(self) -> _Server | None:
+    async def _pinned(self) -> _Server | None:
+        await self.client.wait_for_sync(self.server.url if self.server is not None else None)
         reason = self.client.out_of_rotation.get(self.server.url) if self.server is not None else None
         if reason is not None:
             self.client.counters["trajectories_lost"] += 1
@@ -465,12 +502,12 @@ class RoutedGenerate:
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
         ids = self.client._check_ids(input_ids)
         body = {"input_ids": ids, "sampling_params": dict(sampling), "return_logprob": True}
-        pinned = self._pinned()
+        pinned = await self._pinned()
         out, self.server = await self.client._send("POST", "/generate", server=pinned, route_key=self.route_key,
                                                    json_body=body, lose_fast=pinned is not None)
         return to_gen_output(out)
 
     async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
-        pinned = self._pinned()
+        pinned = await self._pinned()
         return await self.client.score(input_ids, start, temperature, route_key=self.route_key,
                                        server=pinned.url if pinned is not None else None, lose_fast=pinned is not None)

@@ -3,7 +3,8 @@
 The portable path (works on real SGLang, GPU or CPU, and on our server) of docs/sglang_api.md
 §5.1 and docs/honest_rl.md rule 4. No server may generate rollouts on weights the sync has not
 verified, so every target leaves the client's rotation when its sync starts and returns only
-after it passed. Per sync:
+after it passed (meanwhile a client that waits for syncs holds the trajectories pinned to it,
+`SGLangClient.sync_wait_s`; a failure loses them). Per sync:
 
 1. **Check the export** against what each server loaded at start (its config and tensor shapes,
    read from the directory `/model_info` names, and its `/server_info` dtype), before any update:
@@ -296,7 +297,7 @@ async def sync_weights(
         raise ValueError("probe_ids given without learner_logprobs to compare against")
     before = client.out_of_rotation  # the reasons servers were out already, to put back if nothing is sent
     for url in targets:
-        client.take_out_of_rotation(url, f"not yet verified on weights {weight_version!r}")
+        client.take_out_of_rotation(url, f"not yet verified on weights {weight_version!r}", syncing=True)
     phases = dict(timings or {})
     t = time.perf_counter()
     try:
