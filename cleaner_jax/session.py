@@ -103,7 +103,8 @@ class Session:
         self._client, self._fleet = client, fleet
         self._collector = Collector(client.session, self.executor, self.chat, self.agent, self.scorer,
                                     rescorer_for=rescorer_for, recover=fleet.recover,
-                                    max_restarts=c.rollout.max_episode_restarts)
+                                    max_restarts=c.rollout.max_episode_restarts,
+                                    continue_aborted=c.rollout.continue_aborted)
         # a budget over the served context would be a 400 in the middle of a step: fail now
         self.run(check_context_budget(client, c.agent.max_model_len, c.agent.MAX_MODEL_LEN_KEYS))
         return self._collector
@@ -290,7 +291,9 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
     stopped afterwards (on error too).
 
     The client's connection pool holds `rollout.max_connections` (default: one per concurrent
-    trajectory of a step), and its timeouts come from the `rollout` section.
+    trajectory of a step), and its timeouts come from the `rollout` section. With
+    `rollout.continue_aborted` it holds a trajectory whose server is syncing for up to
+    `rollout.server_wait_s` instead of losing it (`SGLangClient.sync_wait_s`).
 
     Several learner processes (`cleaner_jax.distributed`): process 0 starts the embedded server
     and broadcasts its URL; the others use it as an external server (process 0 restarts it if
@@ -298,7 +301,8 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
     ro = config.rollout
     pool = connection_pool(config)
     opts = dict(timeout_s=ro.request_timeout_s, read_timeout_per_token_s=ro.read_timeout_per_token_s,
-                connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size)
+                connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size,
+                sync_wait_s=ro.server_wait_s if ro.continue_aborted else None)
     if ro.backend == "sglang":
         yield RolloutFleet(SGLangClient(server_urls(config), **opts), server_wait_s=ro.server_wait_s)
         return

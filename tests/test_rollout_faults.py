@@ -270,9 +270,11 @@ def test_rollout_backend_sizes_the_pool_and_timeouts_from_the_config():
         assert client.max_connections == 2048 and client.connect_timeout_s == 3.0
         assert client.read_timeout_s({"sampling_params": {"max_new_tokens": 20480}}) == pytest.approx(60 + 1024)
         assert fleet.server_wait_s == c.rollout.server_wait_s and fleet.embedded is None
-    c.rollout.max_connections = 5
+        assert client.sync_wait_s is None  # a weight sync loses the trajectories it cuts: regenerated
+    c.rollout.max_connections, c.rollout.continue_aborted, c.rollout.server_wait_s = 5, True, 42.0
     with rollout_backend(validate(c), checkpoint(0), 512) as fleet:
         assert fleet.client.max_connections == 5
+        assert fleet.client.sync_wait_s == 42.0  # continued: a trajectory waits out its server's sync
 
 
 # ------------------------------------------------------------------ through the trainer (slow: two toy runs)

@@ -8,6 +8,11 @@ out of group statistics and out of the loss, never scored as a model error
 (docs/honest_rl.md rule 5). The result is a list of `trajectory.ScoredEpisode`, which
 `cleaner_jax.rl.step` trains on and `cleaner_jax.eval.runner` summarises.
 
+A turn the server cut (finish type "abort", the pause of a weight sync) is not the policy's end
+of turn: by default the episode is regenerated from its start (`GenerationAbortedError`); with
+`rollout.continue_aborted` the turn is continued on the new weights from the token where it
+stopped (`rollout.continuation`), its tokens carrying the policy version that sampled each.
+
 A rollout server that dies, times out or leaves the rotation mid-episode loses the episode's
 state (its KV and prefix), so the episode is regenerated from its start, with the same seeds,
 on a live or restarted server (`recover`, the rollout fleet's), up to `max_restarts` times; then
@@ -35,6 +40,7 @@ from cleaner_jax.chat.template import ChatFormat
 from cleaner_jax.data.problems import Problem
 from cleaner_jax.rewards.scorer import Scorer
 from cleaner_jax.rl.advantages import groups_still_needed, informative_groups
+from cleaner_jax.rollout.continuation import MAX_CONTINUATIONS, generate_continued
 from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.protocol import Generate, GenOutput, Rescorer
 from cleaner_jax.saar.metrics import step_metrics
@@ -65,18 +71,31 @@ class SeededGenerate:
     happens to batch together or in which order they arrive, so a resumed run regenerates the
     same rollouts as an uninterrupted one (the embedded engine honours the seed per row; real
     SGLang on GPU honours it with --enable-deterministic-inference).
+
+    With `continue_aborted` a turn the server cut is continued (`generate_continued`), each
+    continuation with the next seed of the same sequence; otherwise it raises
+    `GenerationAbortedError` and the episode is regenerated.
     """
 
-    def __init__(self, inner: Generate, seed: int) -> None:
+    def __init__(self, inner: Generate, seed: int, *, continue_aborted: bool = False,
+                 max_continuations: int = MAX_CONTINUATIONS) -> None:
         self.inner = inner
         self.rng = random.Random(seed)
+        self.continue_aborted = continue_aborted
+        self.max_continuations = max_continuations
         self.prompt_tokens = 0  # the episode's length, for the log line of a lost episode
         self.context_tokens = 0
+
+    def _seed(self) -> int:
+        return self.rng.getrandbits(31)
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
         self.prompt_tokens = self.prompt_tokens or len(input_ids)
         self.context_tokens = len(input_ids)
-        out = await self.inner(input_ids, {**sampling, "sampling_seed": self.rng.getrandbits(31)})
+        if self.continue_aborted:
+            return await generate_continued(self.inner, input_ids, sampling, self._seed,
+                                            max_continuations=self.max_continuations)
+        out = await self.inner(input_ids, {**sampling, "sampling_seed": self._seed()})
         if out.finish_reason == "abort":  # e.g. a weight sync paused the server mid-turn
             raise GenerationAbortedError(
                 f"the server aborted a generation after {len(out.output_ids)} new tokens at {len(input_ids)} "
@@ -90,7 +109,7 @@ class Collector:
 
     def __init__(self, generate_for: GenerateFactory, executor: ToolExecutor, chat: ChatFormat,
                  agent: AgentConfig, scorer: Scorer, *, rescorer_for: RescorerFactory | None = None,
-                 recover: Recover | None = None, max_restarts: int = 0) -> None:
+                 recover: Recover | None = None, max_restarts: int = 0, continue_aborted: bool = False) -> None:
         if max_restarts < 0:
             raise ValueError(f"Collector: max_restarts={max_restarts} must be >= 0")
         self.generate_for = generate_for
@@ -101,6 +120,7 @@ class Collector:
         self.rescorer_for = rescorer_for
         self.recover = recover
         self.max_restarts = max_restarts
+        self.continue_aborted = continue_aborted  # rollout.continue_aborted: see SeededGenerate
         # since the last take_counters(): episodes, regenerated_episodes, episode_restarts, lost_episodes
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -141,7 +161,8 @@ class Collector:
                     await self.recover()
                 self.counters["episode_restarts"] += 1
             rng = random.Random(route)  # the same seeds on every attempt: a restart from the start
-            generate = SeededGenerate(self.generate_for(route), rng.getrandbits(63))
+            generate = SeededGenerate(self.generate_for(route), rng.getrandbits(63),
+                                      continue_aborted=self.continue_aborted)
             rescorer = self.rescorer_for(route) if self.rescorer_for else None
             loop = AgentLoop(generate, self.executor, self.chat, self.agent, sampling, rescorer=rescorer, rng=rng)
             try:

@@ -111,6 +111,11 @@ class RolloutConfig:
     sync_idle_timeout_s: float = field(
         30.0, gt=0.0, help="weight sync: seconds a paused server may take to finish its requests before its "
         "/flush_cache succeeds (SGLang refuses the flush while any request runs); then the sync fails")
+    continue_aborted: bool = field(
+        False, help="trajectories live through a weight sync: a turn cut by the sync's pause is continued on the "
+        "new weights from the token where it stopped (each token keeps the policy version that sampled it), and a "
+        "turn due while its server syncs waits for it (up to rollout.server_wait_s); False: such an episode is "
+        "regenerated from its start (docs/reliability.md, row 1)")
     colocated: bool = field(
         False, help="the rollout servers share the learner's accelerators: each step releases their weights and KV "
         "memory (/release_memory_occupation) after the rollouts and resumes it before the weight sync; needs "

@@ -127,7 +127,8 @@ def _variant(collector: Collector, saar: bool, plan: EvalPlan, scorer: _AnswerRe
     agent = dataclasses.replace(collector.agent, saar=sc)
     # a server fault during evaluation regenerates the episode like in training (row 1 of docs/reliability.md)
     return Collector(collector.generate_for, collector.executor, collector.chat, agent, scorer,  # type: ignore[arg-type]
-                     recover=collector.recover, max_restarts=collector.max_restarts)
+                     recover=collector.recover, max_restarts=collector.max_restarts,
+                     continue_aborted=collector.continue_aborted)
 
 
 async def _run_variant(collector: Collector, spec: BenchmarkSpec, saar: bool, out_dir: Path, plan: EvalPlan,
