@@ -4,12 +4,13 @@ from where it stopped, instead of its episode being regenerated from the start (
 A weight sync pauses each server in "abort" mode: the running requests come back at once with
 the tokens sampled so far (and their log-probs) under the old weights. `generate_continued`
 keeps them and asks again for the rest of the turn, `input_ids + partial`, with the turn's
-budget less the partial's length and a fresh sampling seed; on SGLang and on our server that
-request waits for `/continue_generation` (in SGLang's tokenizer manager, in our scheduler's
-waiting list), and the rollout client holds a trajectory whose server is syncing until it passed
-(`SGLangClient.sync_wait_s`), so the rest is sampled on the new, verified weights. The pieces are
-returned as one `GenOutput` whose `output_versions` say which policy version sampled each token:
-the turn is off-policy from the token where the version changed, and the learner can see where.
+budget less the partial's length and a fresh sampling seed. The rollout client holds that
+request until the server passed its sync (`SGLangClient.sync_wait_s`), so the rest is sampled on
+the new, verified weights (sent to a paused server anyway, it would wait for
+`/continue_generation` there: in SGLang's tokenizer manager, in our scheduler's waiting list).
+The pieces are returned as one `GenOutput` whose `output_versions` say which policy version
+sampled each token: the turn is off-policy from the token where the version changed, and the
+learner can see where.
 
 Only the HTTP level is involved: the same code continues turns on SGLang and on our server.
 """
