@@ -129,8 +129,30 @@ class Session:
         return self._collector
 
     def run(self, awaitable: Awaitable[T]) -> T:
-        """Run a coroutine on the session's event loop (the one the client is bound to)."""
-        return self.loop.run_until_complete(awaitable)
+        """Run a coroutine on the session's event loop (the one the client is bound to), from
+        the main thread or, while the main thread runs that loop, from a worker (`run_on`)."""
+        return run_on(self.loop, awaitable)
+
+
+def run_on(loop: asyncio.AbstractEventLoop, awaitable: Awaitable[T]) -> T:
+    """Run `awaitable` on `loop` and return its result.
+
+    From another thread while the loop runs (the overlapped step loop runs the update and the
+    weight sync in a worker thread while the main thread drives the loop and the collections on
+    it, `train_steps/overlap.py`), the coroutine is handed to the running loop and this thread
+    waits for it."""
+    if not loop.is_running():
+        return loop.run_until_complete(awaitable)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop runs in this thread: hand the work to the one that runs
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), loop).result()
+    raise RuntimeError("Session.run was called from a coroutine on a running event loop, which would wait for "
+                       "itself: await the coroutine there instead")
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
