@@ -112,11 +112,28 @@ def check_processes(r: RunConfig, processes: int) -> None:
     _require(not r.rollout.colocated, "rollout.colocated",
              f"True with {processes} learner processes (distributed.*): releasing and resuming the rollout memory "
              "is done by one trainer process only; set rollout.colocated=False or run one process")
+    _require(r.train.max_staleness == 0, "train.max_staleness",
+             f"{r.train.max_staleness} with {processes} learner processes (distributed.*): the overlapped collection "
+             "runs in one trainer process only yet; set train.max_staleness=0 or run one process")
 
 
 def check_combinations(r: RunConfig) -> None:
     """Rules across keys (and the few a range cannot say), in one place."""
     m, d, ro, a, s = r.model, r.data, r.rollout, r.algo, r.saar
+    if r.train.max_staleness > 0:  # the overlapped loop (train_steps/overlap.py) and what it cannot run with
+        _require(not ro.colocated, "train.max_staleness",
+                 f"{r.train.max_staleness} with rollout.colocated=True: colocated servers give their memory to the "
+                 "learner during the update, so no rollout can run beside it; set train.max_staleness=0 or "
+                 "rollout.colocated=False")
+        _require(ro.continue_aborted, "train.max_staleness",
+                 f"{r.train.max_staleness} with rollout.continue_aborted=False: every weight sync would cut the turns "
+                 "of the collections running beside the update, and their episodes would be regenerated from the "
+                 "start (or lost after rollout.max_episode_restarts); set rollout.continue_aborted=True, or "
+                 "train.max_staleness=0")
+        _require(not a.dynamic_sampling, "train.max_staleness",
+                 f"{r.train.max_staleness} with algo.dynamic_sampling=True: DAPO's extra sampling rounds depend on "
+                 "the step's own groups and are not prefetched yet; set train.max_staleness=0 or "
+                 "algo.dynamic_sampling=False")
     # model and data
     _require(m.tiny_init or m.path is not None, "model.path",
              "no checkpoint given: set --config.model.path=DIR (a local HF directory) or model.tiny_init=True")

@@ -1,6 +1,7 @@
 """The per-step work of a training run, in small parts, with `StepLoop` their orchestrator.
 
     loop.py        StepLoop: the order of one step's parts (the crash contract), the run summary
+    overlap.py     train.max_staleness >= 1: the next steps' collections run while a step trains
     collection.py  the step's rollouts from every learner process, their fault counters, the lost-episode stop
     colocate.py    rollout.colocated: release and resume of the rollout servers' memory around the update
     sync.py        the weight sync after the update: export, load, probe; WeightSyncFailedError
@@ -8,6 +9,7 @@
     evaluation.py  the periodic and the step-0 evaluation (the latter from the study's cache when it has it)
     skips.py       skipped non-finite updates: their episodes, and NonFiniteTrainingError
     seeds.py       the seeds of a step's rollouts and of an evaluation
+    staleness.py   the staleness bound: which weights may have produced a token a step trains on
 
 `train.Trainer` opens the resources (session, learner, writer) and hands them to `StepLoop`.
 Imports inside the package point down, as `.importlinter` declares: `loop` above the parts,

@@ -24,6 +24,7 @@ import jax
 from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError, check_lost, collect_informative, infra_metrics
 from cleaner_jax.config import RunConfig
+from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
@@ -43,10 +44,25 @@ class Collected:
     mine: list[ScoredEpisode]  # this process's part of them (what its learner trains on)
     rounds: int  # DAPO dynamic sampling rounds (1 without it)
     infra: dict[str, float]  # the step's `infra/*` fault counts (`agent.collect.infra_metrics`), every process's
+    position: int  # the sampler's position after the step's draws: a checkpoint of this step resumes there
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """A step's problems, drawn in step order (the overlapped loop draws ahead of training)."""
+
+    step: int  # 0-based: the draw of step `step + 1`
+    problems: tuple[Problem, ...]
+    position_before: int  # the sampler's position before the draw (a failed step resumes from it)
+    position_after: int
 
 
 class StepCollection:
-    """Collects each step's episodes with the session's collector, drawing from the sampler."""
+    """Collects each step's episodes with the session's collector, drawing from the sampler.
+
+    `collect` is one step start to end (the synchronous loop). The overlapped loop uses its
+    three parts, so that the draws stay in step order while the rollouts run later: `draw`,
+    then `gather` (a coroutine, run beside the update), then `finish`."""
 
     def __init__(self, r: RunConfig, session: Session, learner: Learner) -> None:
         self.r, self.session, self.learner = r, session, learner
@@ -57,33 +73,55 @@ class StepCollection:
         s = self.session
         return s.collector.take_counters(), s.client.take_counters(), s.fleet.take_counters(), s.sandbox.take_counters()
 
+    def reset_counters(self) -> None:
+        """Drop the collector's, client's and fleet's counts so far: a step's `infra/*` count its
+        rollouts only (the evaluation between steps also drives the collector and the client); the
+        sandbox's run on: its faults since the previous step, the evaluation's and the warm start's
+        included (docs/metrics.md)."""
+        s = self.session
+        s.collector.take_counters(), s.client.take_counters(), s.fleet.take_counters()
+
+    def draw(self, step: int, sampler: ProblemSampler) -> Draw:
+        """Step `step + 1`'s problems (every learner process draws them all)."""
+        before = sampler.position
+        problems = tuple(sampler.take(self.r.algo.prompts_per_step))
+        return Draw(step, problems, before, sampler.position)
+
+    async def gather(self, draw: Draw) -> list[ScoredEpisode]:
+        """This process's share of the draw's groups, scored; servers that came back since are
+        re-admitted on the current weights first."""
+        session, r = self.session, self.r
+        await session.fleet.readmit()
+        share = distributed.share(len(draw.problems))
+        return await session.collector.collect(draw.problems[share], r.algo.group_size, train_sampling(r),
+                                               seed=rollout_seed(r.train.seed, draw.step), first_group=share.start)
+
     def collect(self, step: int, sampler: ProblemSampler) -> Collected:
         """Step `step + 1`'s scored episodes (DAPO dynamic sampling when configured), this
         process's part of them, the sampling rounds and the fault counts (module docstring)."""
         r, session = self.r, self.session
-        collector, fleet = session.collector, session.fleet
-        sampling = train_sampling(r)
         position = sampler.position
-        # the step's rollout counts only (the evaluation between steps also drives the collector and
-        # the client); the sandbox's are left to run on: its faults since the previous step, the
-        # evaluation's and the warm start's included (docs/metrics.md)
-        collector.take_counters(), session.client.take_counters(), fleet.take_counters()
+        self.reset_counters()
         mine: list[ScoredEpisode] = []
         rounds, failure = 1, None
         try:
-            session.run(fleet.readmit())
             if not r.algo.dynamic_sampling:
-                problems = sampler.take(r.algo.prompts_per_step)  # every process draws the step's problems
-                share = distributed.share(len(problems))
-                seed = rollout_seed(r.train.seed, step)
-                mine = session.run(collector.collect(problems[share], r.algo.group_size, sampling, seed=seed,
-                                                     first_group=share.start))
+                mine = session.run(self.gather(self.draw(step, sampler)))
             else:  # one process only (config.check_processes)
+                session.run(session.fleet.readmit())
                 mine, rounds = session.run(collect_informative(
-                    collector, sampler.take, prompts=r.algo.prompts_per_step, n=r.algo.group_size, sampling=sampling,
-                    seed=rollout_seed(r.train.seed, step), max_rounds=r.algo.dynamic_sampling_max_rounds))
+                    session.collector, sampler.take, prompts=r.algo.prompts_per_step, n=r.algo.group_size,
+                    sampling=train_sampling(r), seed=rollout_seed(r.train.seed, step),
+                    max_rounds=r.algo.dynamic_sampling_max_rounds))
         except RolloutUnavailableError as err:
             failure = err
+        return self.finish(step, mine, failure, position, sampler.position, rounds)
+
+    def finish(self, step: int, mine: list[ScoredEpisode], failure: RolloutUnavailableError | None,
+               position_before: int, position_after: int, rounds: int = 1) -> Collected:
+        """Every process's episodes and fault counts; on a fault anywhere (no server left, too many
+        lost episodes) the steps done so far are checkpointed with the position before this
+        step's draw and every process raises."""
         parts = distributed.gather_objects((mine, self.counters(), failure))  # [(episodes, counters, error)] per process
         scored = [s for episodes, _, _ in parts for s in episodes]
         counts = [sum((collections.Counter(cnt[k]) for _, cnt, _ in parts), collections.Counter())
@@ -93,12 +131,12 @@ class StepCollection:
             for p, (_, _, err) in enumerate(parts):
                 if err is not None:
                     raise err if jax.process_count() == 1 else type(err)(f"learner process {p}: {err}")
-            check_lost(infra, r.rollout.max_lost_fraction)
+            check_lost(infra, self.r.rollout.max_lost_fraction)
         except (RolloutUnavailableError, LostEpisodesError) as err:
             log.error("step %d: %s", step + 1, err)
             self.learner.wait_until_saved()
             if self.learner.latest_checkpoint() != step:  # else the end of the last step wrote this very state
-                self.learner.save(step, {"data_position": position})
+                self.learner.save(step, {"data_position": position_before})
                 self.learner.wait_until_saved()
             raise type(err)(f"{err} (checkpoint {step} is written; step {step + 1} will be redone)") from err
-        return Collected(scored, mine, rounds, infra)
+        return Collected(scored, mine, rounds, infra, position_after)

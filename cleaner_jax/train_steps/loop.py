@@ -8,9 +8,14 @@ checkpoint. The order is the crash contract: a committed checkpoint N means step
 (metrics, dump, evaluation on disk), so a run killed at any point resumes after a step whose
 outputs are all there (docs/reliability.md row 3); a failed weight sync first writes the step's
 outputs and checkpoint, then stops (row 5).
+
+With `train.max_staleness` >= 1 (docs/async.md) the collection is the one `overlap` started
+earlier, and the collections of the next steps run while the update and the weight sync do;
+the order of the rest, and so the crash contract, is the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,14 +29,17 @@ from cleaner_jax.data.problems import Problem
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter
-from cleaner_jax.rl.step import rl_step_outputs
+from cleaner_jax.rl.staleness import staleness_metrics
+from cleaner_jax.rl.step import StepOutputs, rl_step_outputs
 from cleaner_jax.rollout.weight_sync import SyncReport
 from cleaner_jax.session import Session
 from cleaner_jax.train_steps.collection import Collected, StepCollection
 from cleaner_jax.train_steps.colocate import ColocatedRollout
 from cleaner_jax.train_steps.dump import StepDump
 from cleaner_jax.train_steps.evaluation import Evaluation, on_main
+from cleaner_jax.train_steps.overlap import OverlappedCollection
 from cleaner_jax.train_steps.skips import log_skipped, stop_if_stuck
+from cleaner_jax.train_steps.staleness import StalenessBound
 from cleaner_jax.train_steps.sync import WeightSync, WeightSyncFailedError, sync_metrics
 from cleaner_jax.wiring import step_config
 
@@ -51,6 +59,8 @@ class StepLoop:
         self.weights = WeightSync(r, workdir, session, learner, model_dir)
         self.dumps = StepDump(workdir, session.tokenizer, r.saar.gamma)
         self.evaluation = Evaluation(r, workdir, session, writer)
+        self.overlap = (OverlappedCollection(self.collection, session, StalenessBound(r.train.max_staleness), r.train.steps)
+                        if r.train.max_staleness > 0 else None)
 
     # what train.py calls besides `run`: the parts' own methods, so that the entry point knows only StepLoop
     def check_memory_saver(self) -> None:
@@ -72,11 +82,15 @@ class StepLoop:
         bar = tqdm(range(start, steps), desc="train", unit="step", initial=start, total=steps,
                    disable=not distributed.is_main())
         history: list[dict[str, float]] = []
-        for step in bar:
-            metrics = self.step(step, sampler, benchmarks)
-            history.append(metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:+.2f}", acc=f"{metrics['reward/acc']:.2f}",
-                            tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
+        try:
+            for step in bar:
+                metrics = self.step(step, sampler, benchmarks)
+                history.append(metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:+.2f}", acc=f"{metrics['reward/acc']:.2f}",
+                                tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
+        finally:  # the collections started for later steps (overlapped loop): their draws are redone on resume
+            if self.overlap is not None:
+                self.overlap.cancel()
         return summary(history)
 
     def collect(self, step: int, sampler: ProblemSampler) -> Collected:
@@ -84,16 +98,67 @@ class StepLoop:
         return self.collection.collect(step, sampler)
 
     def step(self, step: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
-        """Step `step + 1`, start to checkpoint; returns its metrics (the evaluation's included)."""
+        """Step `step + 1`, start to checkpoint; returns its metrics (the evaluation's included).
+
+        Overlapped (train.max_staleness >= 1): the step's rollouts were started up to k steps
+        earlier; the collections of the next steps start before the update, which runs with the
+        weight sync in a worker thread while they go on (`overlap.OverlappedCollection`)."""
         r, done = self.r, step + 1
         t0 = time.perf_counter()
-        got = self.collect(step, sampler)
+        overlap_metrics: dict[str, float] = {}
+        if self.overlap is None:
+            got = self.collect(step, sampler)
+        else:
+            got, overlap_metrics = self.overlap.take(step, sampler)
+            self.overlap.launch_ahead(step, sampler)
         t_rollout = time.perf_counter() - t0
+        learned = self.learn(done, got) if self.overlap is None else self.overlap.while_learning(lambda: self.learn(done, got))
+        out = learned.out
+        metrics = dict(out.metrics)
+        metrics.update(rollout_metrics(got.scored))
+        metrics.update(got.infra)
+        metrics.update(learned.colocate)
+        metrics.update(overlap_metrics)
+        metrics.update({
+            "data/sampling_rounds": float(got.rounds), "data/position": float(got.position),
+            "time/rollout_s": t_rollout, "time/update_s": learned.update_s,
+            "learner/skipped_steps": float(self.learner.skipped_steps),
+            "learner/consecutive_skips": float(self.learner.consecutive_skips),
+        })
+        if self.overlap is not None:
+            metrics.update(staleness_metrics([s.episode.purified for s in got.mine if s.valid], trained_version=step))
+        metrics["time/step_s"] = time.perf_counter() - t0  # collection (or the wait for it), update, weight sync
+        metrics.update(sync_metrics(learned.report))
+        self.writer.write(done, metrics)
+        self.writer.flush()
+        if r.train.dump_trajectories:
+            self.dumps.write(done, got.scored, out.advantages, out.old_logprobs)
+        state = {"data_position": got.position}  # the overlapped loop has drawn later steps: not sampler.position
+        if learned.sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
+            self.learner.save(done, state)
+            self.learner.wait_until_saved()
+            raise learned.sync_failure
+        if benchmarks and self.evaluation.due(done):
+            metrics.update(on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks)))
+        self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
+        stop_if_stuck(self.learner, r.train.max_consecutive_skips, done, state, learned.skipped_ids)
+        # last: a committed checkpoint N means step N is complete (metrics, dump, evaluation), so
+        # a run killed at any point resumes after a step whose outputs are all on disk (row 3)
+        if done % r.train.checkpoint_every == 0 or done == r.train.steps:
+            self.learner.save(done, state)
+        return metrics
+
+    def learn(self, done: int, got: Collected) -> Learned:
+        """Step `done`'s update on its collection, then the weight sync (a failed sync is returned,
+        to be raised once the step's outputs are written)."""
+        r = self.r
         colocate = self.colocated.release() if r.rollout.colocated else {}  # the learner phase gets the memory
         t_learn = time.perf_counter()
         calls_before = self.learner.calls
         out = rl_step_outputs(self.learner, got.mine, self.step_cfg)  # global metrics
-        t_update = time.perf_counter() - t_learn
+        if r.train.debug_update_delay_s > 0:  # a slower learner, for the overlap's measurements (the key's help)
+            time.sleep(r.train.debug_update_delay_s)
+        update_s = time.perf_counter() - t_learn
         skipped_ids = log_skipped(self.learner, done, got.mine, calls_before, self.step_cfg.mini_batches)
         if r.rollout.colocated:  # resume, then the sync loads the new weights, then probes
             colocate.update(self.colocated.resume())
@@ -102,35 +167,19 @@ class StepLoop:
             report = self.weights.sync(done)
         except WeightSyncFailedError as err:
             report, sync_failure = None, err
-        metrics = dict(out.metrics)
-        metrics.update(rollout_metrics(got.scored))
-        metrics.update(got.infra)
-        metrics.update(colocate)
-        metrics.update({
-            "data/sampling_rounds": float(got.rounds), "data/position": float(sampler.position),
-            "time/rollout_s": t_rollout, "time/update_s": t_update,
-            "learner/skipped_steps": float(self.learner.skipped_steps),
-            "learner/consecutive_skips": float(self.learner.consecutive_skips),
-        })
-        metrics.update(sync_metrics(report))
-        self.writer.write(done, metrics)
-        self.writer.flush()
-        if r.train.dump_trajectories:
-            self.dumps.write(done, got.scored, out.advantages, out.old_logprobs)
-        state = {"data_position": sampler.position}
-        if sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
-            self.learner.save(done, state)
-            self.learner.wait_until_saved()
-            raise sync_failure
-        if benchmarks and self.evaluation.due(done):
-            metrics.update(on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks)))
-        self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
-        stop_if_stuck(self.learner, r.train.max_consecutive_skips, done, state, skipped_ids)
-        # last: a committed checkpoint N means step N is complete (metrics, dump, evaluation), so
-        # a run killed at any point resumes after a step whose outputs are all on disk (row 3)
-        if done % r.train.checkpoint_every == 0 or done == r.train.steps:
-            self.learner.save(done, state)
-        return metrics
+        return Learned(out, update_s, skipped_ids, colocate, report, sync_failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class Learned:
+    """What a step's learner phase (`StepLoop.learn`) hands back to the step."""
+
+    out: StepOutputs
+    update_s: float
+    skipped_ids: list[list[str]]
+    colocate: dict[str, float]
+    report: SyncReport | None
+    sync_failure: WeightSyncFailedError | None
 
 
 def summary(history: list[dict[str, float]]) -> dict[str, float]:
