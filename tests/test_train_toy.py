@@ -140,3 +140,47 @@ def test_evaluate_cli_writes_a_report_for_the_newest_export(uninterrupted, tmp_p
     assert [r["name"] for r in report] == ["toy"] and report[0]["problems"] == 3
     assert set(report[0]["pass_at_k"]) == {"1", "2"}  # JSON keys of the pass@k dict
     assert "sync/step_000003" in (out / "results.md").read_text()  # evaluated the newest export
+
+
+def test_an_overlapped_run_killed_and_resumed_keeps_the_bound_the_draws_and_its_first_step(uninterrupted, tmp_path):
+    """train.max_staleness=1 (docs/async.md), killed once step 1 is checkpointed and run again:
+    every step draws the synchronous run's problems, no trained token is older than one update,
+    the collections really overlap the updates, and step 1 (nothing prefetched yet) is the
+    synchronous run's step 1 in every metric but wall-clock and `async/*` ones."""
+    from _run_compare import is_wall_clock, same_value
+
+    from cleaner_jax.viz.dumps import read_step
+
+    wd = tmp_path / "toy_async"
+    # a learner 3 s slower than it is: step 3's rollouts, started when step 2's update starts, get
+    # tokens from the weights before it
+    overlap = ["--config.train.max_staleness=1", "--config.train.debug_update_delay_s=3",
+               "--config.rollout.continue_aborted=True"]
+    proc = subprocess.Popen(train_cmd(wd, steps=3) + overlap, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 1500
+    try:
+        while not (wd / "checkpoints" / "1").is_dir():  # killed with step 2's collection in flight
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.time() < deadline, "no checkpoint within the deadline"
+            time.sleep(0.5)
+    finally:
+        kill_trainer(proc)
+    proc = subprocess.run(train_cmd(wd, steps=3) + overlap, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    a, b = metrics_by_step(uninterrupted), metrics_by_step(wd)
+    for step in (1, 2, 3):
+        assert b[step]["async/dropped_groups"] == 0
+        assert b[step]["data/position"] == a[step]["data/position"]  # the draws in step order
+        sync_uids = [d.uid for d in read_step(uninterrupted, step)]
+        assert [d.uid for d in read_step(wd, step)] == sync_uids
+        versions = {int(v) for d in read_step(wd, step) if d.episode is not None
+                    for v in d.episode.purified.policy_version[d.episode.purified.loss_mask == 1]}
+        assert versions and versions <= {step - 2, step - 1}, (step, versions)  # the bound, k = 1
+    # step 2 was collected again after the resume, on the restored weights; step 3's collection
+    # ran beside step 2's update
+    assert b[2]["async/staleness_max"] == 0 and b[3]["async/staleness_max"] == 1
+    assert b[3]["async/launch_lag"] == 1
+    differ = [k for k in a[1] if k in b[1] and not is_wall_clock(k) and not same_value(a[1][k], b[1][k])]
+    assert not differ, {k: (a[1][k], b[1][k]) for k in differ}
+    assert set(a[1]) - set(b[1]) == set()
