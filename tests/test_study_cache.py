@@ -87,6 +87,7 @@ def test_reuse_by_other_code_warns(tmp_path, caplog):
 @pytest.mark.parametrize("path, same", [
     ("saar.enable", True), ("saar.splice_correction", True), ("saar.splice_cap", True), ("algo.loss", True),
     ("saar.logprob_mode", True), ("saar.rollback_probability", True), ("optim.lr", True),
+    ("rollout.continue_aborted", True),
     ("eval.n", False), ("data.eval_limit", False), ("eval.temperature", False), ("eval.seed", False),
     ("saar.gamma", False), ("saar.max_retries", False), ("eval.saar", False), ("rollout.decode_backend", False),
     ("reward.math_mode", False),

@@ -170,3 +170,20 @@ def test_the_collapse_studies_put_cleaner_beside_tis_and_mask_on_the_same_seeds(
         for arm, corr in (("cleaner_splice_corr", "tis"), ("cleaner_splice_mask", "mask")):
             assert runs[arm].saar == dataclasses.replace(cleaner.saar, splice_correction=corr)
             assert runs[arm].warmup_sft == cleaner.warmup_sft and runs[arm].train == cleaner.train
+
+
+def test_the_async_study_differs_from_synchronous_cleaner_in_the_staleness_alone(tmp_path, monkeypatch):
+    """configs/toy_async_study.py: CLEANER at max_staleness 0, 1 and 2 on the toy study's seeds and
+    warm starts; the overlapped arms change train.max_staleness and the continuation it needs, nothing
+    else."""
+    monkeypatch.chdir(tmp_path)
+    study = validate_study(load_module(ROOT / "configs" / "toy_async_study.py").get_config())
+    toy = validate_study(load_module(ROOT / "configs" / "toy_study.py").get_config())
+    assert study.seeds == toy.seeds == (0, 1, 2, 3, 4) and study.settings.baseline == "cleaner"
+    runs = {a.name: validate(study.run_config(a, 2, tmp_path / "s")) for a in study.arms}
+    sync = validate(toy.run_config(next(a for a in toy.arms if a.name == "cleaner"), 2, tmp_path / "s"))
+    assert runs["cleaner"] == sync and sync.train.max_staleness == 0
+    for arm, k in (("cleaner_async1", 1), ("cleaner_async2", 2)):
+        assert runs[arm] == dataclasses.replace(
+            sync, train=dataclasses.replace(sync.train, max_staleness=k),
+            rollout=dataclasses.replace(sync.rollout, continue_aborted=True)), arm

@@ -66,11 +66,12 @@ NOT_KEYED = {("warmup_sft", "cache_dir")}
 # What the evaluation before step 1 reads on top of the warm start: the evaluation settings and
 # benchmarks, the rollout engine, the scoring, and SAAR's loop settings; the `saar` keys the
 # evaluation sets itself (enable, rollback_probability, logprob_mode: `eval.runner._variant`) or
-# never reads (the learner's splice correction) are left out.
+# never reads (the learner's splice correction) are left out, and so is rollout.continue_aborted:
+# only a weight sync cuts a turn, and none runs during an evaluation.
 EVAL_KEYS: dict[str, tuple[str, ...] | None] = {"data": None, "eval": None, "rollout": None, "reward": None,
                                                 "saar": None}
 EVAL_NOT_KEYED = {("saar", "enable"), ("saar", "rollback_probability"), ("saar", "logprob_mode"),
-                  ("saar", "splice_correction"), ("saar", "splice_cap")}
+                  ("saar", "splice_correction"), ("saar", "splice_cap"), ("rollout", "continue_aborted")}
 
 
 # package folders no warm start or evaluation runs code from (the study around the runs, plots, test helpers)
