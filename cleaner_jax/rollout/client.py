@@ -44,20 +44,11 @@ from typing import Any
 import aiohttp
 
 from cleaner_jax.rollout.protocol import GenOutput
+from cleaner_jax.rollout.routed import RoutedGenerate, ServerLostError
 from cleaner_jax.rollout.sglang_answers import (ROUTER_404_HINT, RolloutRequestError, RolloutServerError,
                                                 checked_logprobs, routing_headers, to_gen_output)
 
 log = logging.getLogger(__name__)
-
-
-class ServerLostError(RolloutServerError):
-    """The server holding a trajectory's state died, timed out or left the rotation mid-trajectory:
-    the trajectory cannot be continued honestly elsewhere and must be regenerated from its start."""
-
-    def __init__(self, url: str, reason: str) -> None:
-        super().__init__(f"{url} was lost mid-trajectory: {reason}")
-        self.url = url
-        self.reason = reason
 
 
 UNREACHABLE = "unreachable"  # the out-of-rotation reason (prefix) of a server that failed a connection and /health
@@ -284,18 +275,28 @@ class SGLangClient:
         return await self._request("POST", "/generate", server=pinned, route_key=route_key, json_body=body)
 
     async def __call__(self, input_ids: list[int], sampling: dict[str, Any], *, route_key: str | None = None) -> GenOutput:
-        body = {"input_ids": self._check_ids(input_ids), "sampling_params": dict(sampling), "return_logprob": True}
-        return to_gen_output(await self.generate_raw(body, route_key=route_key))
+        out, _ = await self.generate_on(None, input_ids, sampling, route_key=route_key)
+        return out
 
-    def session(self, route_key: str) -> "RoutedGenerate":
+    async def generate_on(self, server: _Server | None, input_ids: list[int], sampling: dict[str, Any], *,
+                          route_key: str | None = None, lose_fast: bool = False) -> tuple[GenOutput, _Server]:
+        """One turn on `server` (None: routed by `route_key`), and the server that answered it (a
+        trajectory's session pins itself there); `lose_fast` as in `_send`."""
+        body = {"input_ids": self._check_ids(input_ids), "sampling_params": dict(sampling), "return_logprob": True}
+        out, answered = await self._send("POST", "/generate", server=server, route_key=route_key, json_body=body,
+                                         lose_fast=lose_fast)
+        return to_gen_output(out), answered
+
+    def session(self, route_key: str) -> RoutedGenerate:
         """A `Generate` (and `Rescorer`) bound to one trajectory: every call goes to the same server."""
         return RoutedGenerate(self, route_key)
 
     async def score(
         self, input_ids: list[int], start: int, temperature: float = 1.0, *, route_key: str | None = None,
-        server: str | None = None, lose_fast: bool = False,
+        server: str | None = None,
     ) -> list[float]:
-        """log p(input_ids[i] | <i) for i >= start (start >= 1), via `logprob_start_len`.
+        """log p(input_ids[i] | <i) for i >= start (start >= 1), via `logprob_start_len`, on
+        `server` (None: routed like a generation).
 
         SGLang's prompt log-probs are untempered (measured on 0.5.23: identical at T=0.5 and 1),
         so only `temperature == 1.0` can be honoured over HTTP; tempered re-scoring belongs to the
@@ -303,6 +304,14 @@ class SGLangClient:
         `logprob_start_len`, so we ask from `start - 1` and drop it; the prefix cache is reused
         up to `start - 1` tokens.
         """
+        pinned = self._by_url(server) if server is not None else None
+        return await self.score_on(pinned, input_ids, start, temperature, route_key=route_key)
+
+    async def score_on(
+        self, server: _Server | None, input_ids: list[int], start: int, temperature: float = 1.0, *,
+        route_key: str | None = None, lose_fast: bool = False,
+    ) -> list[float]:
+        """`score` on `server` (None: routed), losing a pinned trajectory at once with `lose_fast` (`_send`)."""
         if temperature != 1.0:
             raise ValueError(
                 f"score(temperature={temperature}): SGLang returns untempered prompt log-probs; "
@@ -315,8 +324,7 @@ class SGLangClient:
             "input_ids": ids, "return_logprob": True, "logprob_start_len": start - 1,
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         }
-        pinned = self._by_url(server) if server is not None else None
-        out, _ = await self._send("POST", "/generate", server=pinned, route_key=route_key, json_body=body,
+        out, _ = await self._send("POST", "/generate", server=server, route_key=route_key, json_body=body,
                                   lose_fast=lose_fast)
         entries = out["meta_info"]["input_token_logprobs"]
         if len(entries) != len(ids) - start + 1 or [e[1] for e in entries[1:]] != ids[start:]:
@@ -474,40 +482,3 @@ class SGLangClient:
         for server in [self._by_url(url)] if url else self.servers:
             await self._request("POST", "/abort_request", server=server, json_body={"rid": rid}, expect_json=False)
 
-
-class RoutedGenerate:
-    """`Generate` and `Rescorer` for one trajectory (sticky to one server): its turns and the
-    re-scoring of its spliced spans (SAAR rollout log-prob mode) hit the server that holds its
-    prefix.
-
-    The first call is routed by key (and, failing, retried on another server: nothing is lost
-    yet); every later call is pinned to the server that answered it. When that server times
-    out, dies or leaves the rotation, `ServerLostError` is raised at once: the trajectory must be
-    regenerated from its start (`agent/collect.py`). With the client's `sync_wait_s`, a call
-    first waits out a weight sync of its server (`SGLangClient.wait_for_sync`)."""
-
-    def __init__(self, client: SGLangClient, route_key: str) -> None:
-        self.client = client
-        self.route_key = route_key
-        self.server: _Server | None = None  # the server holding this trajectory's prefix, once it answered
-
-    async def _pinned(self) -> _Server | None:
-        await self.client.wait_for_sync(self.server.url if self.server is not None else None)
-        reason = self.client.out_of_rotation.get(self.server.url) if self.server is not None else None
-        if reason is not None:
-            self.client.counters["trajectories_lost"] += 1
-            raise ServerLostError(self.server.url, f"left the rotation ({reason})")
-        return self.server
-
-    async def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> GenOutput:
-        ids = self.client._check_ids(input_ids)
-        body = {"input_ids": ids, "sampling_params": dict(sampling), "return_logprob": True}
-        pinned = await self._pinned()
-        out, self.server = await self.client._send("POST", "/generate", server=pinned, route_key=self.route_key,
-                                                   json_body=body, lose_fast=pinned is not None)
-        return to_gen_output(out)
-
-    async def score(self, input_ids: list[int], start: int, temperature: float) -> list[float]:
-        pinned = await self._pinned()
-        return await self.client.score(input_ids, start, temperature, route_key=self.route_key,
-                                       server=pinned.url if pinned is not None else None, lose_fast=pinned is not None)
