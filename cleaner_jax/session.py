@@ -315,7 +315,9 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
     The client's connection pool holds `rollout.max_connections` (default: one per concurrent
     trajectory of a step), and its timeouts come from the `rollout` section. With
     `rollout.continue_aborted` it holds a trajectory whose server is syncing for up to
-    `rollout.server_wait_s` instead of losing it (`SGLangClient.sync_wait_s`).
+    `rollout.server_wait_s` instead of losing it (`SGLangClient.sync_wait_s`). With
+    `rollout.router_url` it generates through sglang-router, and the fleet's calls (the weight
+    sync, the context check, health and re-admission) go to the workers of `rollout.server_urls`.
 
     Several learner processes (`cleaner_jax.distributed`): process 0 starts the embedded server
     and broadcasts its URL; the others use it as an external server (process 0 restarts it if
@@ -326,7 +328,8 @@ def rollout_backend(config: RunConfig, model_dir: Path, vocab_size: int) -> Iter
                 connect_timeout_s=ro.connect_timeout_s, max_connections=pool, vocab_size=vocab_size,
                 sync_wait_s=ro.server_wait_s if ro.continue_aborted else None)
     if ro.backend == "sglang":
-        yield RolloutFleet(SGLangClient(server_urls(config), **opts), server_wait_s=ro.server_wait_s)
+        client = SGLangClient(server_urls(config), router_url=ro.router_url, **opts)
+        yield RolloutFleet(client, server_wait_s=ro.server_wait_s)
         return
     if not distributed.is_main():
         url = distributed.broadcast_text(None)

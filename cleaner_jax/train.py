@@ -71,7 +71,9 @@ def check_served_context(c: RunConfig, model_dir: Path, session: Session) -> Non
     """The agent's token budget against the context the rollout servers will serve, before the
     model is built and the warm start runs (a budget that does not fit would otherwise stop the run
     only after them). The embedded server serves `model_dir`'s `max_position_embeddings` (the warm
-    start keeps the architecture); external servers are asked (`check_context_budget`).
+    start keeps the architecture); external servers are asked (`check_context_budget`): the
+    workers of `rollout.server_urls`, never `rollout.router_url` (the router does not forward
+    `/server_info`).
     `Session.start_rollout` checks again against the servers actually started."""
     budget, keys = c.agent.max_model_len, c.agent.MAX_MODEL_LEN_KEYS
     if c.rollout.backend == "embedded":

@@ -274,6 +274,16 @@ def _set(c, **values):
     (dict(rollout__backend="sglang", rollout__server_urls="http://h:1", rollout__batch_invariant=False),
      r"config\.rollout\.batch_invariant: False sets the embedded engine's batch layout, but rollout\.backend='sglang'"),
     (dict(rollout__top_k=0), r"config\.rollout\.top_k: 0 is not allowed: use -1 \(off\) or k >= 1"),
+    (dict(rollout__router_url="http://r:29900"), r"config\.rollout\.router_url: 'http://r:29900' with "
+                                                 r"rollout\.backend='embedded': the embedded backend is one server"),
+    (dict(rollout__backend="sglang", rollout__server_urls="http://w:1, http://r:29900/",
+          rollout__router_url="http://r:29900"),
+     r"config\.rollout\.router_url: 'http://r:29900' is also in rollout\.server_urls, which must name the workers "
+     r"behind the router"),
+    (dict(rollout__backend="sglang", rollout__server_urls="http://w:1", rollout__router_url="r:29900"),
+     r"config\.rollout\.router_url: 'r:29900' is not of the form http://HOST:PORT"),
+    (dict(rollout__backend="sglang", rollout__server_urls="http://w:1", rollout__router_url="http://r:29900/generate"),
+     r"config\.rollout\.router_url: 'http://r:29900/generate' is not of the form http://HOST:PORT"),
     (dict(mesh__fsdp=0), r"config\.mesh\.fsdp: 0 is not allowed"),
     (dict(saar__logprob_mode="rollout", rollout__temperature=0.7), r"config\.saar\.logprob_mode: rollout mode "
                                                                     r"re-scores .* needs rollout\.temperature=1\.0"),
@@ -296,6 +306,14 @@ def _set(c, **values):
 ])
 def test_contradictions_are_rejected_naming_the_key(values, pattern):
     rejects(_set(toy(), **values), pattern)
+
+
+def test_a_router_in_front_of_the_workers_validates_with_colocation_and_rollout_rescoring():
+    """Neither contradicts it (checks._check_router says why); the key reaches the typed config."""
+    c = _set(toy(), rollout__backend="sglang", rollout__server_urls="http://w:1,http://w:2",
+             rollout__router_url="http://r:29900", rollout__colocated=True, train__xla_allocator="platform",
+             train__xla_preallocate=False, saar__logprob_mode="rollout")
+    assert validate(c).rollout.router_url == "http://r:29900"
 
 
 def test_warm_start_needs_the_toy_task(tmp_path):

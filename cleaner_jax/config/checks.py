@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 
 from cleaner_jax import distributed, schema
 from cleaner_jax.config.sections import TOY, DataConfig, ModelConfig, RunConfig
@@ -184,6 +185,7 @@ def check_combinations(r: RunConfig) -> None:
     # rollout
     _require(ro.backend != "sglang" or bool(ro.server_urls.strip()), "rollout.server_urls",
              "backend=sglang needs at least one server URL")
+    _check_router(r)
     _require(ro.backend == "embedded" or ro.decode_backend == "auto", "rollout.decode_backend",
              f"{ro.decode_backend!r} selects the embedded engine's kernels, but rollout.backend={ro.backend!r}")
     _require(ro.backend == "embedded" or ro.batch_invariant, "rollout.batch_invariant",
@@ -266,6 +268,29 @@ def check_combinations(r: RunConfig) -> None:
     _require(r.agent.use_tools or not with_saar, "eval.saar",
              f"SAAR needs tools, but agent.use_tools=False and SAAR is on at evaluation for {', '.join(with_saar)}: "
              "set eval.saar=off (and no saar=on in eval.overrides)")
+
+
+def _check_router(r: RunConfig) -> None:
+    """rollout.router_url names sglang-router, and rollout.server_urls the workers behind it: the
+    calls the router does not forward (the weight sync, /server_info, /health) go to each of those.
+    Colocated servers and SAAR's rollout re-scoring work behind it: nothing generates while the
+    workers' memory is released, and the routing key sends a trajectory's re-scoring to the
+    worker that holds its prefix, as its turns."""
+    ro = r.rollout
+    if ro.router_url is None:
+        return
+    url = urllib.parse.urlsplit(ro.router_url)
+    _require(url.scheme in ("http", "https") and bool(url.hostname) and url.path in ("", "/") and not url.query,
+             "rollout.router_url", f"{ro.router_url!r} is not of the form http://HOST:PORT (what launch/router.sh prints)")
+    _require(ro.backend == "sglang", "rollout.router_url",
+             f"{ro.router_url!r} with rollout.backend={ro.backend!r}: the embedded backend is one server of the "
+             "trainer's own, with no router in front; use rollout.backend=sglang with the workers behind the router "
+             "in rollout.server_urls, or unset rollout.router_url")
+    workers = [u.strip().rstrip("/") for u in ro.server_urls.split(",") if u.strip()]
+    _require(ro.router_url.rstrip("/") not in workers, "rollout.router_url",
+             f"{ro.router_url!r} is also in rollout.server_urls, which must name the workers behind the router: the "
+             "weight sync and the context check go to each of them, and the router answers those calls 404; list "
+             "only the workers there")
 
 
 def _check_loggers(r: RunConfig) -> None:

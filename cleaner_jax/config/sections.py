@@ -79,7 +79,16 @@ class DataConfig:
 class RolloutConfig:
     backend: Literal["embedded", "sglang"] = field(
         "embedded", help="embedded: our server, started by the trainer; sglang: servers at rollout.server_urls")
-    server_urls: str = field("", help="comma-separated SGLang server URLs (backend=sglang)")
+    server_urls: str = field(
+        "", help="comma-separated SGLang server URLs (backend=sglang); with rollout.router_url, the workers behind "
+        "the router")
+    router_url: str | None = field(
+        None, help="sglang-router in front of the workers of rollout.server_urls (backend=sglang; launch/router.sh, "
+        "whose manual policy keeps each trajectory on one worker): generation, evaluation and SAAR's re-scoring go "
+        "through it with each trajectory's routing key, so it balances the load; the weight sync, the context check "
+        "and the health checks go to each worker directly. A sync pauses each worker in turn, which holds what the "
+        "router sends it meanwhile (docs/scaling.md, Generation through sglang-router); None: the trainer routes "
+        "over rollout.server_urls itself")
     decode_backend: Literal[DECODE_BACKENDS] = field(
         "auto", help="the embedded engine's decode kernels: auto (fastest that builds), xla, cpu_kernels")
     batch_invariant: bool = field(

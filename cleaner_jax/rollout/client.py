@@ -7,11 +7,19 @@ every sampling parameter explicitly, always asks for log-probs, reads only the s
 Routing: all turns of one trajectory go to the same server so its prefix cache hits
 (`client.session(key)` or `route_key=`); a new key goes to the server with the fewest requests
 in flight. The key also travels as sglang-router's `X-SMG-Routing-Key` header, so behind a
-router (`launch/router.sh`, policy `manual`) the router keeps the turns together the same way
-(it does not forward `/server_info` and the weight-sync calls, so the trainer takes the
-workers' URLs: docs/scaling.md, "Rollout fleets on several nodes"). A server that cannot be reached is retried with exponential back-off; for a
-connection failure or a timeout the next attempt may move the key to another server (only the
-cache is lost). After the last attempt a `RolloutServerError` names the server and the cause.
+router (`launch/router.sh`, policy `manual`) the router keeps the turns together the same way.
+A server that cannot be reached is retried with exponential back-off; for a connection failure
+or a timeout the next attempt may move the key to another server (only the cache is lost).
+After the last attempt a `RolloutServerError` names the server and the cause.
+
+Behind sglang-router (`router_url`, `rollout.router_url`): every request not pinned to a server
+(generation, a trajectory's turns, SAAR's re-scoring) goes to the router, which picks the worker
+by the routing header and balances the load. The servers (`urls`) are the workers behind it, and
+every call meant for one worker goes to it directly: the weight sync, the context check,
+`/health`, the fleet's re-admission (the router answers 404 to `/server_info` and the weight-sync
+calls). The rotation then only records which workers a sync has verified: the client cannot
+steer the router, so a worker a sync paused holds the requests routed to it until its
+`/continue_generation` (docs/scaling.md, "Generation through sglang-router").
 
 Faults (docs/reliability.md, row 1): a server that fails a connection and then its `/health`
 is taken out of the rotation as `unreachable` (the rollout fleet, `rollout/fleet.py`, puts it
@@ -87,11 +95,17 @@ class SGLangClient:
         max_routes: int = 100_000,
         keepalive_s: float | None = None,
         sync_wait_s: float | None = None,
+        router_url: str | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
+        # sglang-router in front of `servers`: what is not pinned to a server goes there (module docstring)
+        self.router = _Server(router_url.rstrip("/")) if router_url is not None else None
+        if self.router is not None and self.router.url in [s.url for s in self.servers]:
+            raise ValueError(f"SGLangClient: the router {self.router.url} is also one of the servers "
+                             f"{[s.url for s in self.servers]}: the servers are the workers behind it")
         if not (timeout_s > 0 and connect_timeout_s > 0 and read_timeout_per_token_s >= 0 and max_connections >= 1):
             raise ValueError(f"SGLangClient: timeout_s={timeout_s}, connect_timeout_s={connect_timeout_s} must be > 0, "
                              f"read_timeout_per_token_s={read_timeout_per_token_s} >= 0, "
@@ -196,8 +210,9 @@ class SGLangClient:
         raises `ServerLostError` at once instead of retrying a server that lost the trajectory."""
         read_s = timeout_s or self.read_timeout_s(json_body)
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s, sock_read=read_s)
-        avoid = self._avoid.pop(route_key, None) if route_key is not None else None
-        target = server or self._server_for(route_key, exclude=avoid)
+        own_routing = server is None and self.router is None  # the client picks (and may move) the server
+        avoid = self._avoid.pop(route_key, None) if own_routing and route_key is not None else None
+        target = server or self.router or self._server_for(route_key, exclude=avoid)
         last_exc: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -226,14 +241,15 @@ class SGLangClient:
                             self.retries + 1, what)
                 if timed_out:
                     self.counters["request_timeouts"] += 1
-                elif not await self.health(tried.url):
-                    self._lose(tried, what)
+                elif tried is not self.router and not await self.health(tried.url):
+                    self.lose(tried.url, what)  # the router is no worker: retried, never out of the rotation
                 if lose_fast and (timed_out or tried.url in self._out_of_rotation):
                     self.counters["trajectories_lost"] += 1
-                    if timed_out and route_key is not None and len(self._avoid) < self.max_routes:
+                    if timed_out and route_key is not None and tried is not self.router and \
+                            len(self._avoid) < self.max_routes:
                         self._avoid[route_key] = tried  # its regeneration goes elsewhere when it can
                     raise ServerLostError(tried.url, what) from exc
-                if server is None and len(self.servers) > 1:
+                if own_routing and len(self.servers) > 1:
                     target = self._failover(route_key, tried)
             finally:
                 tried.in_flight -= 1
@@ -241,13 +257,13 @@ class SGLangClient:
             f"{method} {target.url}{path} failed after {self.retries + 1} attempts: {last_exc!r}"
         ) from last_exc
 
-    def _lose(self, server: _Server, why: str) -> None:
-        """Take a server that failed a connection and then /health out of the rotation."""
-        if server.url not in self._out_of_rotation:
-            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced",
-                      server.url, why)
+    def lose(self, url: str, why: str) -> None:
+        """Take a server that failed a connection (or, behind a router, the fleet's check) and then
+        /health out of the rotation, as unreachable (`RolloutFleet` brings it back)."""
+        if url not in self._out_of_rotation:
+            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced", url, why)
             self.counters["servers_lost"] += 1
-            self.take_out_of_rotation(server.url, f"{UNREACHABLE}: {why}")
+            self.take_out_of_rotation(url, f"{UNREACHABLE}: {why}")
 
     def _failover(self, route_key: str | None, failed: _Server) -> _Server:
         """Another server for a request that failed on `failed` (the same one when none is left)."""
@@ -288,7 +304,8 @@ class SGLangClient:
         return to_gen_output(out), answered
 
     def session(self, route_key: str) -> RoutedGenerate:
-        """A `Generate` (and `Rescorer`) bound to one trajectory: every call goes to the same server."""
+        """A `Generate` (and `Rescorer`) bound to one trajectory: every call goes to the same server
+        (behind a router: to the router, with the trajectory's routing key)."""
         return RoutedGenerate(self, route_key)
 
     async def score(
@@ -382,10 +399,12 @@ class SGLangClient:
         return dict(self._out_of_rotation)
 
     def _by_url(self, url: str) -> _Server:
+        """The worker at `url`; never the router, which answers none of the calls pinned to a worker."""
         for s in self.servers:
             if s.url == url.rstrip("/"):
                 return s
-        raise ValueError(f"{url} is not one of this client's servers {[s.url for s in self.servers]}")
+        router = f" (the router {self.router.url} forwards generation only)" if self.router is not None else ""
+        raise ValueError(f"{url} is not one of this client's servers {[s.url for s in self.servers]}{router}")
 
     async def model_info(self, url: str) -> dict[str, Any]:
         return await self._request("GET", "/model_info", server=self._by_url(url))

@@ -3,7 +3,11 @@ re-scoring of its spliced spans, on the server that holds its prefix.
 
 Kept apart from the client's transport (`rollout/client.py`) because the rules of a trajectory
 are their own: what pins it, when it waits for a weight sync, when it is lost and must be
-regenerated from its start.
+regenerated from its start. Behind sglang-router (`SGLangClient.router`) the router, not the
+client, picks the worker: a session sends every call to the router with its route key (the
+`X-SMG-Routing-Key` header keeps the turns on one worker) and never waits for, or loses, a worker
+the client cannot see (docs/scaling.md, "Generation through sglang-router", says what that leaves
+of the weight sync's guarantee).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class SessionClient(Protocol):
     a protocol, so that this module does not import it back)."""
 
     counters: collections.Counter[str]
+    router: Endpoint | None  # sglang-router in front of the servers, or None
 
     @property
     def out_of_rotation(self) -> dict[str, str]: ...
@@ -57,7 +62,12 @@ class RoutedGenerate:
     yet); every later call is pinned to the server that answered it. When that server times
     out, dies or leaves the rotation, `ServerLostError` is raised at once: the trajectory must be
     regenerated from its start (`agent/collect.py`). With the client's `sync_wait_s`, a call
-    first waits out a weight sync of its server (`SGLangClient.wait_for_sync`)."""
+    first waits out a weight sync of its server (`SGLangClient.wait_for_sync`).
+
+    Behind a router every call goes to the router, pinned there after the first answer (a later
+    timeout loses the trajectory at once, as above); the router keeps the key on one worker. The
+    client's rotation does not gate these calls: a worker that a sync paused holds them itself
+    until its `/continue_generation`."""
 
     def __init__(self, client: SessionClient, route_key: str) -> None:
         self.client = client
@@ -65,6 +75,8 @@ class RoutedGenerate:
         self.server: Endpoint | None = None  # the server holding this trajectory's prefix, once it answered
 
     async def _pinned(self) -> Endpoint | None:
+        if self.client.router is not None:
+            return self.server
         await self.client.wait_for_sync(self.server.url if self.server is not None else None)
         reason = self.client.out_of_rotation.get(self.server.url) if self.server is not None else None
         if reason is not None:

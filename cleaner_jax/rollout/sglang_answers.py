@@ -28,7 +28,8 @@ class InvalidLogprobsError(RolloutServerError):
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's key for its `manual` (sticky) policy
 ROUTER_404_HINT = (" (if this URL is an sglang-router: it forwards generation and /flush_cache but not "
                    "/server_info or the weight-sync calls; give the trainer the workers' URLs in "
-                   "rollout.server_urls, docs/scaling.md, \"Rollout fleets on several nodes\")")
+                   "rollout.server_urls and the router's in rollout.router_url, docs/scaling.md, "
+                   "\"Generation through sglang-router\")")
 
 
 def routing_headers(route_key: str | None) -> dict[str, str] | None:

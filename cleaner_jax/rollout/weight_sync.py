@@ -4,7 +4,11 @@ The portable path (works on real SGLang, GPU or CPU, and on our server) of docs/
 §5.1 and docs/honest_rl.md rule 4. No server may generate rollouts on weights the sync has not
 verified, so every target leaves the client's rotation when its sync starts and returns only
 after it passed (meanwhile a client that waits for syncs holds the trajectories pinned to it,
-`SGLangClient.sync_wait_s`; a failure loses them). Per sync:
+`SGLangClient.sync_wait_s`; a failure loses them). Behind sglang-router the rotation cannot
+steer generation: the paused worker holds what the router sends it, and between its
+`/continue_generation` and its probe it serves weights whose version is checked but not yet
+probed; a probe that fails stops the run (docs/scaling.md, "Generation through sglang-router").
+Per sync:
 
 1. **Check the export** against what each server loaded at start (its config and tensor shapes,
    read from the directory `/model_info` names, and its `/server_info` dtype), before any update:
@@ -182,8 +186,9 @@ def require_context_budget(budget: int, keys: str, context: int, server: str, wh
 
 
 async def check_context_budget(client: SGLangClient, budget: int, keys: str) -> dict[str, int]:
-    """Each server's context (tokens one request may hold), checked against `budget` (the agent's
-    prompt + response tokens, named by `keys`); returns url -> context. A budget over a server's
+    """Each server's context (tokens one request may hold; behind a router, each worker's),
+    checked against `budget` (the agent's prompt + response tokens, named by `keys`); returns
+    url -> context. A budget over a server's
     context would be answered 400 mid-rollout (or, past SGLang's KV pool, silently clamped); one equal
     to it ends one token short with finish=length (SGLang serves at most context - 1 tokens).
 
