@@ -275,6 +275,11 @@ def test_rollout_backend_sizes_the_pool_and_timeouts_from_the_config():
     with rollout_backend(validate(c), checkpoint(0), 512) as fleet:
         assert fleet.client.max_connections == 5
         assert fleet.client.sync_wait_s == 42.0  # continued: a trajectory waits out its server's sync
+        assert fleet.client.router is None
+    c.rollout.router_url = "http://127.0.0.1:3"  # generation through sglang-router, the rest to each worker
+    with rollout_backend(validate(c), checkpoint(0), 512) as fleet:
+        assert fleet.client.router.url == "http://127.0.0.1:3"
+        assert [s.url for s in fleet.client.servers] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 
 # ------------------------------------------------------------------ through the trainer (slow: two toy runs)

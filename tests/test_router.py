@@ -11,6 +11,12 @@ sticky by the X-SMG-Routing-Key header our client sends with each trajectory's r
   undisturbed step (seeded sampling).
 - The router reads each worker's load from our `/get_load` (its `/get_loads`, `power_of_two`).
 - It does not forward the weight-sync calls (404), and the client's error says what to do.
+- `rollout.router_url`: the client generates through the router while the weight sync (and the
+  context check) goes to each worker; turns the sync's pause cut are continued through it, and
+  everything generated after the sync is on the new weights (transformers' reference). The
+  trainer's start-up asks the workers and goes on. Against recording stand-ins: what goes to the
+  router and what to each worker, an unreachable router, and the fleet's health check of the
+  workers behind a router.
 - Stopping launch/router.sh (SIGTERM) stops the router it started.
 
 A router that cannot run here fails the test with the reason; nothing is skipped.
@@ -20,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
+import json
 import os
 import select
 import signal
@@ -33,16 +41,24 @@ import psutil
 import pytest
 from aiohttp import web
 
-from _rollout_common import checkpoint
+from _configs import load_config
+from _rollout_common import checkpoint, hf_greedy, hf_logprobs
+from cleaner_jax import train
+from cleaner_jax.config import validate
 from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.continuation import generate_continued
 from cleaner_jax.rollout.sglang_answers import ROUTING_KEY_HEADER, RolloutServerError
-from cleaner_jax.rollout.fleet import EmbeddedServerProcess, free_loopback_port
+from cleaner_jax.rollout.fleet import EmbeddedServerProcess, RolloutFleet, free_loopback_port
+from cleaner_jax.rollout.weight_sync import check_context_budget, fixed_reference, sync_weights
+from cleaner_jax.session import Session
 from cleaner_jax.testing.http import http_call
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = 3
 MAX_NEW = 8
 TOOL = [7, 8, 9]  # stands for a tool result appended after each turn
+PROBE = [1, 5, 9, 40, 41, 42, 97, 300, 7, 2, 13]  # the weight sync's probe sequence
+KEYS = "agent.max_prompt_tokens + agent.max_response_tokens"  # what the context check names
 
 
 def _router_log(log_dir: Path) -> str:
@@ -229,6 +245,128 @@ def test_the_router_does_not_forward_the_weight_sync_and_the_client_says_what_to
             asyncio.run(run(call))
 
 
+async def episodes(client: SGLangClient, k: int, synced: asyncio.Event, finishes: list) -> list:
+    """Two-turn episodes of trajectory k (each on a new route key), one after another until
+    `synced` is set, then one more; every turn is continued across a weight sync's abort, as
+    rollout.continue_aborted does. Returns (started after the sync, [turn outputs]) per episode;
+    `finishes` gets every request's finish type."""
+    seeds = itertools.count(1000 * k)
+    out = []
+    for e in itertools.count():
+        after, session = synced.is_set(), client.session(f"sync-{k}-{e}")
+
+        async def recorded(ids: list[int], sampling: dict, session=session):
+            got = await session(ids, sampling)
+            finishes.append(got.finish_reason)
+            return got
+
+        ids, turns = prompt(k), []
+        for _ in range(2):
+            turn = await generate_continued(recorded, ids, {"max_new_tokens": MAX_NEW, "temperature": 1.0},
+                                            lambda: next(seeds))
+            turns.append(turn)
+            ids = ids + turn.output_ids + TOOL
+        out.append((after, turns))
+        if after:
+            return out
+
+
+def test_generation_goes_through_the_router_while_the_weight_sync_goes_to_each_worker(fleet):
+    """rollout.router_url: the client generates through the router while `sync_weights` loads
+    checkpoint(1) on each worker directly (pause, update, flush, continue, version, and the probe
+    against transformers' log-probs of checkpoint(1)). A turn the pause cut is continued through
+    the router, held by its paused worker until its /continue_generation, and every token's
+    version only grows; every episode started after the sync is all "step-1", and a greedy turn
+    through the router then gives transformers' greedy tokens of checkpoint(1). The context check
+    reads each worker (the router answers /server_info 404). Puts checkpoint(0) back afterwards:
+    the last test compares with the undisturbed step."""
+    router, procs, log_dir = fleet
+    workers = [p.url for p in procs]
+    flush_all(router, procs)
+    served = {w: http_call(w, "GET", "/v1/models")[1]["data"][0]["max_model_len"] for w in workers}
+    ref = [float(x) for x in hf_logprobs(PROBE, 1.0, seed=1)[1:]]  # log p(PROBE[i] | <i), i >= 2
+    n = 4
+
+    async def run():
+        client = SGLangClient(workers, router_url=router, retries=1, backoff_s=0.2)
+        synced, finishes = asyncio.Event(), []
+        try:
+            contexts = await check_context_budget(client, 1000, KEYS)
+            running = [asyncio.ensure_future(episodes(client, k, synced, finishes)) for k in range(n)]
+            deadline = time.monotonic() + 120
+            while len(finishes) < n:  # every trajectory is generating
+                assert time.monotonic() < deadline and not any(t.done() for t in running), finishes
+                await asyncio.sleep(0.05)
+            report = await sync_weights(client, checkpoint(1), "step-1", probe_ids=PROBE, probe_start=2,
+                                        learner_logprobs=fixed_reference(PROBE, 2, ref), max_mean_abs_gap=1e-4)
+            synced.set()
+            done = await asyncio.wait_for(asyncio.gather(*running), 120)
+            greedy = await client(prompt(9), {"max_new_tokens": MAX_NEW, "temperature": 0})
+            return contexts, report, done, finishes, greedy
+        finally:
+            await client.close()
+
+    try:
+        contexts, report, done, finishes, greedy = asyncio.run(run())
+        versions = {w: http_call(w, "GET", "/model_info")[1]["weight_version"] for w in workers}
+        health = {w["url"]: w["is_healthy"] for w in http_call(router, "GET", "/workers")[1]["workers"]}
+    finally:
+        for w in workers:
+            status, out = http_call(w, "POST", "/update_weights_from_disk", {
+                "model_path": str(checkpoint(0)), "weight_version": "default", "flush_cache": True})
+            assert status == 200 and out["success"], out
+    assert contexts == served and set(served) == set(workers)
+    assert set(report.probe_gap) == set(workers) and max(report.probe_gap.values()) < 1e-4, report
+    assert versions == {w: "step-1" for w in workers} and health == {w: True for w in workers}
+    assert "abort" in finishes, "no turn was in flight when its worker paused"
+    tokens = []
+    for per_trajectory in done:
+        for after, turns in per_trajectory:
+            seen = [v for t in turns for v in t.token_versions()]
+            tokens += seen
+            assert set(seen) <= {0, 1} and seen == sorted(seen), seen  # "default" then "step-1", never back
+            if after:
+                assert set(seen) == {1} and all(t.weight_version == "step-1" for t in turns), turns
+    assert {0, 1} <= set(tokens)
+    assert greedy.weight_version == "step-1" and greedy.output_ids == hf_greedy(prompt(9), MAX_NEW, seed=1)
+
+
+def test_the_trainer_asks_the_workers_behind_the_router_at_start_up(fleet, tmp_path, monkeypatch):
+    """`python -m cleaner_jax.train` with the router in rollout.router_url and its workers in
+    rollout.server_urls: the context check asks each worker (it used to ask the router, which
+    answers /server_info 404, and stop) and the trainer goes on to build its mesh (stopped there);
+    `Session.start_rollout` builds the client on the router and generates through it."""
+    router, procs, _ = fleet
+    workers = [p.url for p in procs]
+    c = load_config("toy")
+    c.sandbox.workers = 1
+    c.rollout.backend, c.rollout.server_urls, c.rollout.router_url = "sglang", ",".join(workers), router
+    context = json.loads((checkpoint(0) / "config.json").read_text())["max_position_embeddings"]
+    asked: list = []
+
+    async def spy(client, budget, keys):
+        asked.append(await check_context_budget(client, budget, keys))
+        return asked[-1]
+
+    class Reached(Exception):
+        pass
+
+    def mesh(*args, **kwargs):
+        raise Reached
+
+    monkeypatch.setattr(train, "check_context_budget", spy)
+    monkeypatch.setattr(train, "make_mesh", mesh)
+    with pytest.raises(Reached):
+        train.Trainer(validate(c), tmp_path / "run").run()
+    assert asked == [{w: context for w in workers}]
+    with Session(validate(c), tmp_path / "run" / "init_model") as session:  # the toy run's tokenizer
+        session.start_rollout(checkpoint(0))
+        client = session.client
+        out = session.run(client.session("start-up")(prompt(0), {"max_new_tokens": 2, "temperature": 0}))
+        assert client.router.url == router and [s.url for s in client.servers] == workers
+        assert len(out.output_ids) == 2
+
+
 def test_a_worker_killed_mid_step_is_absorbed_by_the_router(fleet, undisturbed):
     """Runs last in this module: it kills one of the fleet's workers (the fixture stops the rest)."""
     router, procs, log_dir = fleet
@@ -315,3 +453,151 @@ def test_the_client_sends_each_trajectory_route_key_as_the_router_header():
         thread.join(30)
     assert ROUTING_KEY_HEADER == "X-SMG-Routing-Key"
     assert seen == ["traj-42", "traj-42", None]
+
+
+# ------------------------------------------------------------------ rollout.router_url, against stand-ins
+
+def _answer(body: dict) -> dict:
+    """An SGLang-shaped /generate answer to `body`: one token, or the prompt log-probs a score asks for."""
+    ids = body["input_ids"]
+    start = body.get("logprob_start_len")
+    prompt_lp = [[None if i == start else -0.25, t, None] for i, t in enumerate(ids)][start:] if start is not None else []
+    out = [] if start is not None else [3]
+    return {"text": "", "output_ids": out, "meta_info": {
+        "id": "x", "finish_reason": {"type": "length"}, "prompt_tokens": len(ids), "completion_tokens": len(out),
+        "cached_tokens": 0, "weight_version": "default", "output_token_logprobs": [[-0.5, t, None] for t in out],
+        "input_token_logprobs": prompt_lp}}
+
+
+@contextlib.contextmanager
+def stand_ins(n: int):
+    """`n` recording stand-ins of an SGLang server on loopback: each yields (url, seen, healthy),
+    `seen` the (path, routing header) of every request but /health, `healthy` a one-element list
+    that sets /health's answer."""
+    loop = asyncio.new_event_loop()
+    servers, runners = [], []
+
+    def app_for(seen: list, healthy: list) -> web.Application:
+        async def any_call(request: web.Request) -> web.Response:
+            if request.path == "/health":
+                return web.Response(status=200 if healthy[0] else 503)
+            seen.append((request.path, request.headers.get(ROUTING_KEY_HEADER)))
+            if request.path == "/generate":
+                return web.json_response(_answer(await request.json()))
+            if request.path == "/v1/models":
+                return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 1000}]})
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", any_call)
+        return app
+
+    for _ in range(n):
+        seen, healthy = [], [True]
+        runner = web.AppRunner(app_for(seen, healthy))
+        port = free_loopback_port()
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        servers.append((f"http://127.0.0.1:{port}", seen, healthy))
+        runners.append(runner)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield servers
+    finally:
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+def test_behind_a_router_generation_goes_to_the_router_and_each_worker_gets_its_own_calls():
+    """With router_url, a trajectory's turns, its re-scoring and a plain generation go to the router
+    (keyed ones with the routing header), even while both workers are out of the rotation for a
+    sync (the client cannot steer the router: the workers hold what it sends them); the control
+    calls and the context check go to each worker, never to the router, and a call pinned to the
+    router is refused."""
+    with stand_ins(3) as ((router, at_router, _), (a, at_a, _), (b, at_b, _)):
+        async def run():
+            client = SGLangClient([a, b], router_url=router, retries=0)
+            try:
+                session = client.session("traj-7")
+                await session([1, 2], {"max_new_tokens": 1})
+                client.take_out_of_rotation(a, "not yet verified on weights 'step-1'", syncing=True)
+                client.take_out_of_rotation(b, "not yet verified on weights 'step-1'", syncing=True)
+                await asyncio.wait_for(session([1, 2, 3], {"max_new_tokens": 1}), 10)  # not held by the client
+                rescored = await session.score([1, 2, 3, 4], 2, 1.0)
+                await client([5, 6], {"max_new_tokens": 1})
+                client.put_in_rotation(a)
+                client.put_in_rotation(b)
+                for url in (a, b):
+                    await client.pause_generation(url)
+                    await client.model_info(url)
+                    await client.continue_generation(url)
+                contexts = await check_context_budget(client, 500, "agent.max_prompt_tokens + agent.max_response_tokens")
+                with pytest.raises(ValueError, match=rf"{router} is not one of this client's servers .*the router "
+                                                     r"http://127\.0\.0\.1:\d+ forwards generation only"):
+                    await client.model_info(router)
+                return rescored, contexts
+            finally:
+                await client.close()
+
+        rescored, contexts = asyncio.run(run())
+    assert rescored == [-0.25, -0.25]
+    assert contexts == {a: 1000, b: 1000}
+    assert at_router == [("/generate", "traj-7")] * 3 + [("/generate", None)]
+    for seen in (at_a, at_b):
+        assert seen == [("/pause_generation", None), ("/model_info", None), ("/continue_generation", None),
+                        ("/v1/models", None), ("/server_info", None)]
+
+
+def test_a_router_that_cannot_be_reached_is_retried_and_never_leaves_the_rotation():
+    """The router is no worker: a failed connection to it is retried, then named, and no worker
+    is taken out of the rotation for it."""
+    with stand_ins(1) as ((a, at_a, _),):
+        gone = f"http://127.0.0.1:{free_loopback_port()}"
+
+        async def run():
+            client = SGLangClient([a], router_url=gone, retries=1, backoff_s=0.01)
+            try:
+                with pytest.raises(RolloutServerError, match=rf"POST {gone}/generate failed after 2 attempts"):
+                    await client.session("t")([1], {"max_new_tokens": 1})
+                return client.out_of_rotation, client.take_counters()
+            finally:
+                await client.close()
+
+        out, counters = asyncio.run(run())
+    assert out == {} and "servers_lost" not in counters and at_a == []
+
+
+def test_behind_a_router_the_fleet_takes_a_silent_worker_out_and_readmits_it_once_back():
+    """The router absorbs a lost worker, so the client never sees it fail: the fleet asks each
+    worker for /health (`readmit`, and `recover` before a sync), takes the silent one out as
+    unreachable (the sync then covers the live ones), and puts it back once it answers. Without a
+    router the fleet asks nothing of the servers in the rotation."""
+    with stand_ins(3) as ((router, _, _), (a, _, a_up), (b, _, _)):
+        async def run():
+            fleet = RolloutFleet(SGLangClient([a, b], router_url=router), server_wait_s=5, poll_s=0.05)
+            try:
+                a_up[0] = False
+                await fleet.recover()  # the weight sync's first call
+                lost = (fleet.live_urls(), fleet.unreachable(), fleet.client.take_counters())
+                await fleet.readmit()  # still silent
+                still = fleet.unreachable()
+                a_up[0] = True
+                await fleet.readmit()
+                back = (fleet.live_urls(), fleet.take_counters())
+                plain = RolloutFleet(SGLangClient([a, b]), server_wait_s=5)
+                a_up[0] = False
+                await plain.recover()
+                await plain.readmit()
+                await plain.client.close()
+                return lost, still, back, plain.live_urls()
+            finally:
+                await fleet.client.close()
+
+        (live, unreachable, counters), still, (back, readmitted), plain = asyncio.run(run())
+    assert live == [b] and unreachable == [a] and counters == {"servers_lost": 1}
+    assert still == [a]
+    assert back == [a, b] and readmitted == {"servers_readmitted": 1}
+    assert plain == [a, b]

@@ -12,6 +12,15 @@ brings servers back:
   writes a checkpoint and stops).
 - `readmit()` (between steps) admits every unreachable server that answers `/health` again.
 
+Behind sglang-router (`rollout.router_url`) the client never sees a worker fail: the router
+moves a lost worker's routing keys to the others and the step goes on. Both calls therefore
+first ask each worker in the rotation for `/health` (`recover` at most every `poll_s`) and take
+the silent ones out as unreachable, so that the next weight sync covers the live workers instead
+of stopping the run on a dead one, `recover` waits for a worker when none answers, and a worker
+that is back is loaded with the current weights here. The router itself routes to a worker again
+as soon as its own health check passes, which may be before that (docs/scaling.md, "Generation
+through sglang-router").
+
 Admitting a server first loads the newest exported weights on it with their `weight_version`
 and passes the weight-sync probe (`weight_sync.sync_weights(urls=[url])`), so no rollout ever
 uses stale weights: a restarted server starts from the initial checkpoint, and a reconnected
@@ -28,6 +37,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -192,6 +202,7 @@ class RolloutFleet:
         self.counters: collections.Counter[str] = collections.Counter()  # server_restarts, servers_readmitted
         self._lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
+        self._workers_checked = -math.inf  # monotonic time of the last health check behind the router
 
     def set_current(self, path: str | Path, version: str, **probe: Any) -> None:
         """The newest export (after the trainer's weight sync): what a re-admitted server must load
@@ -228,9 +239,21 @@ class RolloutFleet:
         log.warning("rollout server %s is back in the rotation (serving %s)", url,
                     cur.version if cur is not None else "the initial weights")
 
+    async def _check_workers(self, min_interval_s: float = 0.0) -> None:
+        """Behind a router: take each worker in the rotation whose /health fails out as unreachable
+        (module docstring); at most once per `min_interval_s`. Without a router the client takes a
+        dead server out itself, on the request that failed, so nothing is asked."""
+        if self.client.router is None or time.monotonic() - self._workers_checked < min_interval_s:
+            return
+        for url in self.live_urls():
+            if not await self.client.health(url):
+                self.client.lose(url, f"its /health failed behind the router {self.client.router.url}")
+        self._workers_checked = time.monotonic()
+
     async def readmit(self) -> None:
         """Admit every unreachable server whose /health answers again (one check each, no wait)."""
         async with self._get_lock():
+            await self._check_workers()
             for url in self.unreachable():
                 if self.embedded is not None and not self.embedded.alive():
                     continue  # recover() restarts it when a rollout needs it
@@ -241,6 +264,7 @@ class RolloutFleet:
         """Return once a server is in the rotation; restart the embedded server or wait for an
         unreachable one meanwhile; RolloutUnavailableError after `server_wait_s`."""
         async with self._get_lock():
+            await self._check_workers(self.poll_s)  # every failed episode calls it: not once per episode
             if self.live_urls():
                 return
             deadline = time.monotonic() + self.server_wait_s
