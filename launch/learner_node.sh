@@ -11,6 +11,11 @@
 #                       printed on each rollout node, joined with commas); required. The client's
 #                       own sticky routing spreads trajectories over them and the weight sync
 #                       reaches each one
+#   --router-url URL    sglang-router in front of those servers (what launch/router.sh printed;
+#                       rollout.router_url): generation goes through it, which balances the
+#                       load, while the weight sync and the health and context checks still go
+#                       to each server of --server-urls (docs/scaling.md, "Generation through
+#                       sglang-router"); default: none, the trainer routes itself
 #   --shared-dir DIR    where the weight exports go (train.weight_export_dir): a filesystem that
 #                       every rollout node mounts at the same path; required, checked writable
 #   --coordinator HOST:PORT   process 0's coordinator (distributed.coordinator_address); it
@@ -38,8 +43,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/_common.sh"
 
-usage="usage: $0 [--dry-run] --server-urls URLS --shared-dir DIR [--coordinator HOST:PORT --num-processes N --process-id I] [--gpus LIST] [--mem-fraction F|none] [--wait-servers S] [--python PY] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]"
+usage="usage: $0 [--dry-run] --server-urls URLS [--router-url URL] --shared-dir DIR [--coordinator HOST:PORT --num-processes N --process-id I] [--gpus LIST] [--mem-fraction F|none] [--wait-servers S] [--python PY] CONFIG MODEL_DIR TRAIN_DATA WORKDIR [-- TRAINER_FLAGS...]"
 servers=""
+router=""
 shared=""
 coord=""
 nproc=""
@@ -48,7 +54,7 @@ gpus=""
 mem=0.9
 wait_s=600
 py=python
-parse_args "$usage" mixed --server-urls=servers --shared-dir=shared --coordinator=coord \
+parse_args "$usage" mixed --server-urls=servers --router-url=router --shared-dir=shared --coordinator=coord \
   --num-processes=nproc --process-id=pid_ --gpus=gpus --mem-fraction=mem --wait-servers=wait_s \
   --python=py -- "$@"
 [[ ${#ARGS[@]} -eq 4 ]] || die "expected CONFIG MODEL_DIR TRAIN_DATA WORKDIR, got ${#ARGS[@]} arguments; $usage"
@@ -57,6 +63,11 @@ config=${ARGS[0]}; model=${ARGS[1]}; data=${ARGS[2]}; workdir=${ARGS[3]}
 [[ -n "$shared" ]] || die "--shared-dir is required (the weight exports the rollout servers read); $usage"
 IFS=, read -r -a server_list <<<"$servers"
 check_urls server "${server_list[@]}"
+router_flags=()
+if [[ -n "$router" ]]; then
+  check_urls router "$router"
+  router_flags=("--config.rollout.router_url=$router")
+fi
 dist=()
 if [[ -n "$coord$nproc$pid_" ]]; then
   [[ -n "$coord" && -n "$nproc" && -n "$pid_" ]] \
@@ -81,6 +92,7 @@ if [[ "$DRY_RUN" != 1 ]]; then
   for u in "${server_list[@]}"; do
     wait_healthy "$u" "" "$wait_s" "the rollout node's logs"
   done
+  [[ -z "$router" ]] || wait_healthy "$router" "" "$wait_s" "the router's log (launch/router.sh --log-dir)"
   install_cleanup
 fi
 
@@ -88,7 +100,7 @@ cmd=("$py" -m cleaner_jax.train)
 [[ -z "$gpus" ]] || cmd=(env "CUDA_VISIBLE_DEVICES=$gpus" "${cmd[@]}")
 run_bg - "${cmd[@]}" --config "$config" --workdir "$workdir" \
   "--config.model.path=$model" "--config.data.train=$data" \
-  --config.rollout.backend=sglang "--config.rollout.server_urls=$servers" \
+  --config.rollout.backend=sglang "--config.rollout.server_urls=$servers" ${router_flags[@]+"${router_flags[@]}"} \
   "--config.train.weight_export_dir=$shared" ${mem_flags[@]+"${mem_flags[@]}"} ${dist[@]+"${dist[@]}"} \
   ${PASSTHROUGH[@]+"${PASSTHROUGH[@]}"}
 [[ "$DRY_RUN" == 1 ]] && exit 0

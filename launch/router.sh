@@ -30,9 +30,10 @@
 #
 # What the router does not do: forward /server_info and the weight-sync calls
 # (/pause_generation, /update_weights_from_disk, /continue_generation; 0.3.2 answers 404). The
-# trainer and the evaluator therefore take the workers' URLs (launch/learner_node.sh
-# --server-urls), not the router's; the router serves code that only generates through our
-# client (docs/scaling.md, "Rollout fleets on several nodes").
+# trainer and the evaluator therefore take both: the workers' URLs in rollout.server_urls
+# (launch/learner_node.sh --server-urls), where the weight sync and the context check go, and
+# the printed URL in rollout.router_url (--router-url), where generation goes (docs/scaling.md,
+# "Generation through sglang-router").
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/_common.sh"

@@ -173,6 +173,22 @@ def test_learner_node_dry_run_joins_the_distributed_run():
     ]
 
 
+def test_learner_node_passes_the_router_and_keeps_the_workers_for_the_weight_sync(tmp_path):
+    """--router-url is rollout.router_url in the run config the trainer validates; --server-urls
+    stays the workers (the weight sync and the context check go to each); a router URL not of the
+    form http://HOST:PORT is named."""
+    data = tmp_path / "train.parquet"
+    data.touch()
+    base = ["--dry-run", "--server-urls", "http://10.0.0.1:30000,http://10.0.0.2:30000", "--shared-dir", str(tmp_path)]
+    out = run("learner_node.sh", *base, "--router-url", "http://10.0.0.9:29900", "c", str(tmp_path), str(data), "w")
+    assert out.returncode == 0, out.stderr
+    config = _trainer_config(out.stdout.splitlines()[0])
+    assert (config.rollout.router_url, config.rollout.server_urls) == (
+        "http://10.0.0.9:29900", "http://10.0.0.1:30000,http://10.0.0.2:30000")
+    bad = run("learner_node.sh", *base, "--router-url", "10.0.0.9:29900", "c", "m", "d", "w")
+    assert bad.returncode == 2 and "router URL '10.0.0.9:29900' is not of the form http://HOST:PORT" in bad.stderr
+
+
 def _trainer_config(line: str):
     """The run config the trainer builds from a dry-run line (the paper's configs/qwen3_4b_cleaner.py
     in place of its --config): absl's config flags parse the overrides as train's main does, then
