@@ -273,8 +273,8 @@ def check_combinations(r: RunConfig) -> None:
 def _check_router(r: RunConfig) -> None:
     """rollout.router_url names sglang-router, and rollout.server_urls the workers behind it: the
     calls the router does not forward (the weight sync, /server_info, /health) go to each of those.
-    Colocated servers and SAAR's rollout re-scoring work behind it: nothing generates while the
-    workers' memory is released, and the routing key sends a trajectory's re-scoring to the
+    Colocated servers and SAAR's rollout re-scoring are allowed behind it: nothing generates while
+    the workers' memory is released, and the routing key sends a trajectory's re-scoring to the
     worker that holds its prefix, as its turns."""
     ro = r.rollout
     if ro.router_url is None:
