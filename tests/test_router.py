@@ -359,6 +359,7 @@ def test_the_trainer_asks_the_workers_behind_the_router_at_start_up(fleet, tmp_p
     with pytest.raises(Reached):
         train.Trainer(validate(c), tmp_path / "run").run()
     assert asked == [{w: context for w in workers}]
+    assert http_call(router, "GET", "/health")[0] == 200  # what launch/learner_node.sh --router-url waits for
     with Session(validate(c), tmp_path / "run" / "init_model") as session:  # the toy run's tokenizer
         session.start_rollout(checkpoint(0))
         client = session.client
