@@ -245,11 +245,14 @@ def test_the_router_does_not_forward_the_weight_sync_and_the_client_says_what_to
             asyncio.run(run(call))
 
 
+SYNC_TURN = 40  # tokens: above the servers' decode chunk (32), so a pause cuts running turns too, not only queued ones
+
+
 async def episodes(client: SGLangClient, k: int, synced: asyncio.Event, finishes: list) -> list:
-    """Two-turn episodes of trajectory k (each on a new route key), one after another until
-    `synced` is set, then one more; every turn is continued across a weight sync's abort, as
-    rollout.continue_aborted does. Returns (started after the sync, [turn outputs]) per episode;
-    `finishes` gets every request's finish type."""
+    """One-turn episodes of trajectory k (each on a new route key, SYNC_TURN tokens), one after
+    another until `synced` is set, then one more; a turn is continued across a weight sync's
+    abort, as rollout.continue_aborted does. Returns (started after the sync, [its turn]) per
+    episode; `finishes` gets every request's finish type."""
     seeds = itertools.count(1000 * k)
     out = []
     for e in itertools.count():
@@ -260,13 +263,9 @@ async def episodes(client: SGLangClient, k: int, synced: asyncio.Event, finishes
             finishes.append(got.finish_reason)
             return got
 
-        ids, turns = prompt(k), []
-        for _ in range(2):
-            turn = await generate_continued(recorded, ids, {"max_new_tokens": MAX_NEW, "temperature": 1.0},
-                                            lambda: next(seeds))
-            turns.append(turn)
-            ids = ids + turn.output_ids + TOOL
-        out.append((after, turns))
+        turn = await generate_continued(recorded, prompt(k), {"max_new_tokens": SYNC_TURN, "temperature": 1.0,
+                                                              "ignore_eos": True}, lambda: next(seeds))
+        out.append((after, [turn]))
         if after:
             return out
 
@@ -285,7 +284,7 @@ def test_generation_goes_through_the_router_while_the_weight_sync_goes_to_each_w
     flush_all(router, procs)
     served = {w: http_call(w, "GET", "/v1/models")[1]["data"][0]["max_model_len"] for w in workers}
     ref = [float(x) for x in hf_logprobs(PROBE, 1.0, seed=1)[1:]]  # log p(PROBE[i] | <i), i >= 2
-    n = 4
+    n = 6
 
     async def run():
         client = SGLangClient(workers, router_url=router, retries=1, backoff_s=0.2)
