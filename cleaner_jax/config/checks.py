@@ -281,7 +281,8 @@ def _check_router(r: RunConfig) -> None:
         return
     url = urllib.parse.urlsplit(ro.router_url)
     _require(url.scheme in ("http", "https") and bool(url.hostname) and url.path in ("", "/") and not url.query,
-             "rollout.router_url", f"{ro.router_url!r} is not of the form http://HOST:PORT (what launch/router.sh prints)")
+             "rollout.router_url",
+             f"{ro.router_url!r} is not of the form http://HOST:PORT (what launch/router.sh prints)")
     _require(ro.backend == "sglang", "rollout.router_url",
              f"{ro.router_url!r} with rollout.backend={ro.backend!r}: the embedded backend is one server of the "
              "trainer's own, with no router in front; use rollout.backend=sglang with the workers behind the router "

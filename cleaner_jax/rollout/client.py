@@ -261,7 +261,8 @@ class SGLangClient:
         """Take a server that failed a connection (or, behind a router, the fleet's check) and then
         /health out of the rotation, as unreachable (`RolloutFleet` brings it back)."""
         if url not in self._out_of_rotation:
-            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced", url, why)
+            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced",
+                      url, why)
             self.counters["servers_lost"] += 1
             self.take_out_of_rotation(url, f"{UNREACHABLE}: {why}")
 
