@@ -247,24 +247,25 @@ def test_the_router_does_not_forward_the_weight_sync_and_the_client_says_what_to
 SYNC_TURN = 40  # tokens: above the servers' decode chunk (32), so a pause cuts running turns too, not only queued ones
 
 
-async def episodes(client: SGLangClient, k: int, synced: asyncio.Event, finishes: list) -> list:
+async def episodes(client: SGLangClient, k: int, synced: asyncio.Event, started: list) -> list:
     """One-turn episodes of trajectory k (each on a new route key, SYNC_TURN tokens), one after
     another until `synced` is set, then one more; a turn is continued across a weight sync's
-    abort, as rollout.continue_aborted does. Returns (started after the sync, [its turn]) per
-    episode; `finishes` gets every request's finish type."""
+    abort, as rollout.continue_aborted does. Returns (started after the sync, the turn, its
+    requests' (finish type, weight_version)) per episode; `started` gets k at each first answer."""
     seeds = itertools.count(1000 * k)
     out = []
     for e in itertools.count():
-        after, session = synced.is_set(), client.session(f"sync-{k}-{e}")
+        after, session, pieces = synced.is_set(), client.session(f"sync-{k}-{e}"), []
 
-        async def recorded(ids: list[int], sampling: dict, session=session):
+        async def recorded(ids: list[int], sampling: dict, session=session, pieces=pieces):
             got = await session(ids, sampling)
-            finishes.append(got.finish_reason)
+            pieces.append((got.finish_reason, got.weight_version))
+            started.append(k)
             return got
 
         turn = await generate_continued(recorded, prompt(k), {"max_new_tokens": SYNC_TURN, "temperature": 1.0,
                                                               "ignore_eos": True}, lambda: next(seeds))
-        out.append((after, [turn]))
+        out.append((after, turn, pieces))
         if after:
             return out
 
@@ -273,8 +274,9 @@ def test_generation_goes_through_the_router_while_the_weight_sync_goes_to_each_w
     """rollout.router_url: the client generates through the router while `sync_weights` loads
     checkpoint(1) on each worker directly (pause, update, flush, continue, version, and the probe
     against transformers' log-probs of checkpoint(1)). A turn the pause cut is continued through
-    the router, held by its paused worker until its /continue_generation, and every token's
-    version only grows; every episode started after the sync is all "step-1", and a greedy turn
+    the router and held by its paused worker until its /continue_generation: it ends on "step-1",
+    also when the canary cut it while the other worker still served "default". Every token's
+    version only grows, every episode started after the sync is all "step-1", and a greedy turn
     through the router then gives transformers' greedy tokens of checkpoint(1). The context check
     reads each worker (the router answers /server_info 404). Puts checkpoint(0) back afterwards:
     the last test compares with the undisturbed step."""
@@ -287,25 +289,25 @@ def test_generation_goes_through_the_router_while_the_weight_sync_goes_to_each_w
 
     async def run():
         client = SGLangClient(workers, router_url=router, retries=1, backoff_s=0.2)
-        synced, finishes = asyncio.Event(), []
+        synced, started = asyncio.Event(), []
         try:
             contexts = await check_context_budget(client, 1000, KEYS)
-            running = [asyncio.ensure_future(episodes(client, k, synced, finishes)) for k in range(n)]
+            running = [asyncio.ensure_future(episodes(client, k, synced, started)) for k in range(n)]
             deadline = time.monotonic() + 120
-            while len(finishes) < n:  # every trajectory is generating
-                assert time.monotonic() < deadline and not any(t.done() for t in running), finishes
+            while set(started) != set(range(n)):  # every trajectory is generating
+                assert time.monotonic() < deadline and not any(t.done() for t in running), started
                 await asyncio.sleep(0.05)
             report = await sync_weights(client, checkpoint(1), "step-1", probe_ids=PROBE, probe_start=2,
                                         learner_logprobs=fixed_reference(PROBE, 2, ref), max_mean_abs_gap=1e-4)
             synced.set()
             done = await asyncio.wait_for(asyncio.gather(*running), 120)
             greedy = await client(prompt(9), {"max_new_tokens": MAX_NEW, "temperature": 0})
-            return contexts, report, done, finishes, greedy
+            return contexts, report, done, greedy
         finally:
             await client.close()
 
     try:
-        contexts, report, done, finishes, greedy = asyncio.run(run())
+        contexts, report, done, greedy = asyncio.run(run())
         versions = {w: http_call(w, "GET", "/model_info")[1]["weight_version"] for w in workers}
         health = {w["url"]: w["is_healthy"] for w in http_call(router, "GET", "/workers")[1]["workers"]}
     finally:
@@ -316,15 +318,17 @@ def test_generation_goes_through_the_router_while_the_weight_sync_goes_to_each_w
     assert contexts == served and set(served) == set(workers)
     assert set(report.probe_gap) == set(workers) and max(report.probe_gap.values()) < 1e-4, report
     assert versions == {w: "step-1" for w in workers} and health == {w: True for w in workers}
-    assert "abort" in finishes, "no turn was in flight when its worker paused"
+    turns = [episode for per_trajectory in done for episode in per_trajectory]
+    cut = [pieces for _, _, pieces in turns if ("abort", "default") in pieces]
+    assert cut, "no turn was in flight when its worker paused"
+    assert all(pieces[-1] == ("length", "step-1") for pieces in cut), cut  # continued once its worker resumed
     tokens = []
-    for per_trajectory in done:
-        for after, turns in per_trajectory:
-            seen = [v for t in turns for v in t.token_versions()]
-            tokens += seen
-            assert set(seen) <= {0, 1} and seen == sorted(seen), seen  # "default" then "step-1", never back
-            if after:
-                assert set(seen) == {1} and all(t.weight_version == "step-1" for t in turns), turns
+    for after, turn, _ in turns:
+        seen = list(turn.token_versions())
+        tokens += seen
+        assert len(seen) == SYNC_TURN and seen == sorted(seen) and set(seen) <= {0, 1}, seen  # never back
+        if after:
+            assert set(seen) == {1} and turn.weight_version == "step-1", turn
     assert {0, 1} <= set(tokens)
     assert greedy.weight_version == "step-1" and greedy.output_ids == hf_greedy(prompt(9), MAX_NEW, seed=1)
 
