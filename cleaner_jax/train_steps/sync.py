@@ -71,7 +71,9 @@ class WeightSync:
             path = export_checkpoint(self.learner.model(), path, self.model_dir, dtype=dtype, timings=timings,
                                      max_shard_bytes=int(r.train.weight_export_shard_mb * 10**6))
             if main:
-                self.session.run(fleet.recover())  # at least one server up (restarted / waited for)
+                # at least one server up (restarted / waited for); behind a router, the workers
+                # whose /health is silent are out first, so the sync covers the live ones
+                self.session.run(fleet.recover())
                 report = self.session.run(sync_weights(self.session.client, path, version, urls=fleet.live_urls(),
                                                        timings=timings, **probe))
         except (WeightSyncError, NonFiniteWeightsError, ExportFailedError, RolloutUnavailableError) as err:
