@@ -54,9 +54,11 @@ def small_study(tmp_path_factory):
 SHARED_FIXTURE_GROUPS = {
     "small_study": ("test_notebooks.py", "test_study_e2e.py"),  # conftest.small_study
     "console_run": ("test_console.py", "test_metric_names.py", "test_viz_browser.py"),  # test_console.console_run
+    # test_train_toy.reference_run: the uninterrupted 3-step toy run both files compare against, made once per worker
+    "toy_reference": ("test_train_toy.py", "test_trainer_kill.py"),
 }
 LONGEST_FIRST = (
-    "test_multihost_train.py", "console_run", "test_seeds.py", "test_trainer_kill.py", "test_soak.py",
+    "test_multihost_train.py", "console_run", "test_seeds.py", "toy_reference", "test_soak.py",
     "small_study", "test_evaluate_e2e.py", "test_weight_sync_faults.py", "test_gpu_check.py",
     "test_rollout_faults.py", "test_loss_scaling.py", "test_rl_bucketing.py", "test_qwen_scan.py",
     "test_rollout_server.py",
