@@ -14,7 +14,7 @@ collection, or the wait for it, plus the update and the weight sync) and of its 
 overlapped variant's speed-up over the synchronous loop, and the ideal max/sum bound from the
 synchronous run's own phases. Findings go to bench/RESULTS.md.
 
-Run: `.venv/bin/python bench/async_step.py [--steps 8] [--update-delay 10] [--staleness 1 2] [--warm-cache DIR]`,
+Run: `.venv/bin/python bench/async_step.py [--steps 8] [--update-delay 0.7] [--staleness 1 2] [--warm-cache DIR]`,
 or `--tiny` for a smoke run (numbers meaningless).
 """
 from __future__ import annotations
@@ -61,7 +61,8 @@ def medians(workdir: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--update-delay", type=float, default=10.0, help="train.debug_update_delay_s of every variant")
+    parser.add_argument("--update-delay", type=float, default=0.7,
+                        help="train.debug_update_delay_s of every variant (about the toy's rollout time: the overlap's best case)")
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--warm-cache", type=Path, default=None,
                         help="warmup_sft.cache_dir to take the warm start from (e.g. a study's <cache_dir>/warm_cache); "
