@@ -25,14 +25,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("time/step_s", "time/rollout_s", "time/update_s", "time/weight_sync_s")
 
 
-def run_variant(workdir: Path, staleness: int, steps: int, delay: float, cache: Path, extra: list[str]) -> float:
+def run_variant(workdir: Path, staleness: int, steps: int, delay: float, cache: Path, extra: list[str],
+                split: tuple[int, int] | None = None) -> float:
     """One toy run; returns its wall time (start-up included)."""
     cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"),
            "--workdir", str(workdir), f"--config.train.steps={steps}", f"--config.train.max_staleness={staleness}",
@@ -40,10 +44,40 @@ def run_variant(workdir: Path, staleness: int, steps: int, delay: float, cache: 
            "--config.train.eval_before_train=False", "--config.train.eval_every=0",
            f"--config.train.checkpoint_every={steps}", "--config.train.dump_trajectories=False", *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if split is None:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    else:  # the trainer (learner, sandbox) on one core; its embedded rollout server moved to the other
+        learner_cpu, server_cpu = split
+        proc = subprocess.Popen(["taskset", "-c", str(learner_cpu), *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        stop = threading.Event()
+        mover = threading.Thread(target=_move_servers, args=(proc.pid, server_cpu, stop), daemon=True)
+        mover.start()
+        out, err = proc.communicate()
+        stop.set()
+        proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if proc.returncode != 0:
         raise SystemExit(f"the run with max_staleness={staleness} failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def _move_servers(trainer_pid: int, cpu: int, stop: threading.Event) -> None:
+    """Pin every thread of the trainer's embedded rollout server (and of any server it restarts) to
+    `cpu`: split placement on one machine, so that rollouts and updates do not share a core."""
+    moved: set[int] = set()
+    while not stop.is_set():
+        try:
+            children = psutil.Process(trainer_pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            try:
+                if child.pid not in moved and "cleaner_jax.rollout.server" in " ".join(child.cmdline()):
+                    subprocess.run(["taskset", "-a", "-cp", str(cpu), str(child.pid)], capture_output=True, check=True)
+                    moved.add(child.pid)
+            except (psutil.NoSuchProcess, subprocess.CalledProcessError):
+                pass  # it exited meanwhile (a restart is moved when it appears)
+        stop.wait(0.2)
 
 
 def medians(workdir: Path) -> dict[str, float]:
@@ -67,6 +101,9 @@ def main() -> None:
     parser.add_argument("--warm-cache", type=Path, default=None,
                         help="warmup_sft.cache_dir to take the warm start from (e.g. a study's <cache_dir>/warm_cache); "
                              "default: a temporary one, filled by the first variant")
+    parser.add_argument("--split-cores", type=int, nargs=2, default=None, metavar=("LEARNER_CPU", "SERVER_CPU"),
+                        help="split placement on one machine: the trainer on one core, its embedded rollout server "
+                             "on another (taskset), so that the overlap is not eaten by two processes sharing cores")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: a few small steps, a short warm start")
     args = parser.parse_args()
     extra: list[str] = []
@@ -79,7 +116,8 @@ def main() -> None:
         results: dict[int, dict[str, float]] = {}
         for k in [0, *args.staleness]:
             wd = Path(tmp) / f"k{k}"
-            wall = run_variant(wd, k, args.steps, args.update_delay, cache, extra)
+            wall = run_variant(wd, k, args.steps, args.update_delay, cache, extra,
+                               split=None if args.split_cores is None else tuple(args.split_cores))
             results[k] = medians(wd)
             parts = ", ".join(f"{name} {v:.2f}" for name, v in results[k].items())
             print(f"max_staleness={k}: run {wall:.0f} s; medians over steps 2-{args.steps}: {parts}", flush=True)
