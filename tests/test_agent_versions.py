@@ -20,13 +20,10 @@ from cleaner_jax.saar.config import SaarConfig
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.trajectory import UNKNOWN_VERSION
 
+from _viz_common import ANSWER, FIX, LONG_FAIL, MESSAGES, REWRITE  # the viewer tests' scripted turns
+from _viz_common import FAIL_1 as FAIL
+
 U = UNKNOWN_VERSION
-MESSAGES = [{"role": "user", "content": "What is 1+2?"}]
-ANSWER = "So the answer is \\boxed{3}."
-FAIL = code_call("print(bad)", "Let me compute. ")
-FIX = code_call("print(1+2)", "Fixed it. ")
-LONG_FAIL = code_call("values = [bad] * 10\n" + "total = sum(values) + len(values) * 3\n" * 6, "Plan A. ")
-REWRITE = code_call("import math\nprint(math.comb(3, 1))", "Use combinatorics instead. ")
 
 
 @pytest.fixture(scope="module")
