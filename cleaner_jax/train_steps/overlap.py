@@ -46,7 +46,6 @@ class OverlappedCollection:
     def __init__(self, collection: StepCollection, session: Session, bound: StalenessBound, last_step: int) -> None:
         self.collection, self.session, self.bound, self.last_step = collection, session, bound, last_step
         self.pending: dict[int, _Pending] = {}  # 0-based step -> its collection
-        self.dropped_groups = 0  # since the last `take`
 
     def _launch(self, step: int, sampler: ProblemSampler, version: int) -> None:
         draw = self.collection.draw(step, sampler)
