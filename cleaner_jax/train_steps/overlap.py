@@ -76,7 +76,7 @@ class OverlappedCollection:
         failure: RolloutUnavailableError | None = None
         mine: list[ScoredEpisode] = []
         try:
-            mine = self.session.run(_wait(job.task))
+            mine = self.session.run(job.task)
         except RolloutUnavailableError as err:
             failure = err
         waited = time.perf_counter() - t0
@@ -102,7 +102,3 @@ class OverlappedCollection:
             t.cancel()
         if tasks and not self.session.loop.is_closed():
             self.session.run(asyncio.gather(*tasks, return_exceptions=True))
-
-
-async def _wait(task: asyncio.Task[T]) -> T:
-    return await task

@@ -22,8 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cleaner_jax.rollout.protocol import UNKNOWN_VERSION
-from cleaner_jax.trajectory import ScoredEpisode
+from cleaner_jax.trajectory import UNKNOWN_VERSION, ScoredEpisode
 
 
 class UnknownVersionError(RuntimeError):
