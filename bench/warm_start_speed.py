@@ -1,6 +1,7 @@
-"""The toy warm start's NLL fit: one `Learner.train_step` per step (the loop before issue 28
-item 2) against `toy.warm_start.fit` (STEPS_PER_CALL steps per compiled call), measured in the
-same run on the run's own demonstrations, init and batch rows (configs/toy.py).
+"""The toy warm start's NLL fit: one `Learner.train_step` per step over the whole-sequence
+attention (the loop before issue 28 item 2) against `toy.warm_start.fit` (STEPS_PER_CALL steps
+per compiled call, the config's `model.attention_block` query blocks), measured in the same run
+on the run's own demonstrations, init and batch rows (configs/toy.py).
 
 Printed per path: the seconds of the first call (compile included), the steady seconds per
 step after it, and the total; then the old / new ratio of both and the largest per-step loss
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                                     rollout_logprobs=None)
         rows = batch_rows(len(demos), args.steps, cfg.batch_size, c.train.seed)
 
-        def learner() -> Learner:
-            return Learner(params.from_pretrained(model_dir, mesh=mesh), LearnerConfig(
+        def learner(attention_block: int) -> Learner:
+            return Learner(params.from_pretrained(model_dir, mesh=mesh, attention_block=attention_block), LearnerConfig(
                 loss=LossConfig(kind="nll"),
                 optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
                 micro_batch_size=cfg.batch_size, logprob_chunk_size=c.algo.logprob_chunk), mesh)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(demos)} demonstrations, width {batch.input_ids.shape[1]}, batch {cfg.batch_size}, "
               f"{args.steps} steps; {per_call} steps per call (new)", flush=True)
         timing, losses = {}, {}
-        old = learner()
+        old = learner(0)
         c0, t0 = time.process_time(), time.perf_counter()
         out = [old.train_step(batch.rows(rows[0]))["loss"]]
         t1 = time.perf_counter()
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         timing["old"], losses["old"] = (t1 - t0, (t2 - t1) / max(args.steps - 1, 1), t2 - t0), np.asarray(out)
         old_weights = [np.asarray(x) for x in jax.tree.leaves(old.params)]
         old.close()
-        new = learner()
+        new = learner(c.model.attention_block)
         c0, marks = time.process_time(), [time.perf_counter()]
         losses["new"] = fit(new, batch, rows, steps_per_call=per_call, on_steps=lambda _: marks.append(time.perf_counter()))
         cpu["new"] = time.process_time() - c0

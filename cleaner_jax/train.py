@@ -135,7 +135,8 @@ class Trainer:
                 model_dir = warm_dir
             model = params.from_pretrained(model_dir, mesh=mesh, param_dtype=c.model.param_dtype,
                                          compute_dtype=c.model.compute_dtype, attention_impl=c.model.attention_impl,
-                                         remat=c.model.remat, scan_layers=c.model.scan_layers)
+                                         attention_block=c.model.attention_block, remat=c.model.remat,
+                                         scan_layers=c.model.scan_layers)
             if main:
                 remove_unfinished_saves(wd / "checkpoints")  # saves a killed run left uncommitted (row 3)
             distributed.barrier("train: unfinished saves removed")

@@ -6,7 +6,8 @@ implementation) and `splash` (the TPU kernel in the Pallas interpreter) equal a 
 reference and the existing masked attention, values and gradients, on right-padded rows; the
 model with `xla_causal` matches Hugging Face; the cuDNN call itself is lowered for CUDA (cuDNN's
 presence faked, nothing compiled or run) so it cannot rot; requests a device cannot serve fail
-at model build naming the key."""
+at model build naming the key. The masked path in query blocks (`model.attention_block`) equals
+the same reference and Hugging Face."""
 from __future__ import annotations
 
 import re
@@ -89,6 +90,34 @@ def test_lengths_attention_equals_torch_and_the_masked_attention(impl):
         np.testing.assert_allclose(g, old, atol=5e-5, rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("block", [1, 6, 19])  # one token, a ragged last block (20 = 3 x 6 + 2), nearly whole
+def test_query_blocks_equal_torch(block):
+    """`model.attention_block`: each query block against the keys up to its end only."""
+    q, k, v, w = _inputs()
+    ref_out, ref_grads = torch_reference(q, k, v, w)
+    mask = layers.causal_mask(jnp.asarray(ATTN_MASK), B, T)
+
+    def blocked(q, k, v):
+        return layers.causal_query_blocks(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, block,
+                                          layers.grouped_attention)
+
+    out, grads = values_and_grads(blocked, *map(jnp.asarray, (q, k, v, w)))
+    assert np.abs(ref_out[REAL]).max() > 0.1
+    np.testing.assert_allclose(out[REAL], ref_out[REAL], atol=2e-5, rtol=0)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        assert np.abs(ref).max() > 0.1, name
+        np.testing.assert_allclose(g, ref, atol=5e-5, rtol=0, err_msg=name)
+
+
+def test_query_blocks_only_with_the_masked_impl():
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"attention_block=8 blocks the masked attention_impl='xla' only"):
+        QwenConfig(**kw, attention_impl="xla_causal", attention_block=8)
+    with pytest.raises(ValueError, match=r"attention_block must be an int >= 0"):
+        QwenConfig(**kw, attention_block=-1)
+
+
 def test_lengths_from_a_right_padded_mask_and_all_padding_rows():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
     np.testing.assert_array_equal(np.asarray(layers.right_padded_lengths(jnp.asarray(mask))), [3, 1, 1, 4])
@@ -132,10 +161,12 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_model_with_xla_causal_matches_transformers_on_right_padded_rows(checkpoint, scan_layers):
+@pytest.mark.parametrize("impl,block", [("xla_causal", 0), ("xla", 4)])
+def test_model_with_xla_causal_or_query_blocks_matches_transformers_on_right_padded_rows(checkpoint, scan_layers,
+                                                                                         impl, block):
     ids = np.random.default_rng(3).integers(0, 512, (2, 14))
     mask = (np.arange(14)[None] < np.array([[14], [9]])).astype(np.int64)
-    model = params.from_pretrained(checkpoint, attention_impl="xla_causal", scan_layers=scan_layers)
+    model = params.from_pretrained(checkpoint, attention_impl=impl, attention_block=block, scan_layers=scan_layers)
     ours = np.asarray(nnx.jit(lambda m, x, a: m(x, attention_mask=a))(model, jnp.asarray(ids, jnp.int32),
                                                                         jnp.asarray(mask, jnp.int32)))
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)

@@ -121,6 +121,9 @@ def check_processes(r: RunConfig, processes: int) -> None:
 def check_combinations(r: RunConfig) -> None:
     """Rules across keys (and the few a range cannot say), in one place."""
     m, d, ro, a, s = r.model, r.data, r.rollout, r.algo, r.saar
+    _require(m.attention_block == 0 or m.attention_impl == "xla", "model.attention_block",
+             f"{m.attention_block} blocks the masked attention (model.attention_impl='xla'), but attention_impl is "
+             f"{m.attention_impl!r}, a causal kernel that skips the upper triangle itself: set model.attention_block=0")
     if r.train.max_staleness > 0:  # the overlapped loop (train_steps/overlap.py) and what it cannot run with
         _require(not ro.colocated, "train.max_staleness",
                  f"{r.train.max_staleness} with rollout.colocated=True: colocated servers give their memory to the "

@@ -54,6 +54,9 @@ class QwenConfig:
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"
     attention_impl: Literal["xla", "cudnn", "xla_causal", "splash"] = "xla"
+    # attention_impl "xla" without a cache (learner, prefill): query blocks of this many tokens,
+    # each against the keys up to its end (`layers.causal_query_blocks`); 0 = the whole sequence.
+    attention_block: int = 0
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     # Decoder layers as one stacked module ([L, ...] parameters) run by `jax.lax.scan`: one layer
     # body is traced and compiled instead of L copies. The HF checkpoint layout is unchanged.
@@ -67,6 +70,11 @@ class QwenConfig:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if not isinstance(self.attention_block, int) or self.attention_block < 0:
+            raise ValueError(f"attention_block must be an int >= 0 (0 = no query blocks), got {self.attention_block!r}")
+        if self.attention_block and self.attention_impl != "xla":
+            raise ValueError(f"attention_block={self.attention_block} blocks the masked attention_impl='xla' only; "
+                             f"{self.attention_impl!r} is a causal kernel already: set attention_block=0")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if not isinstance(self.scan_layers, bool):

@@ -6,6 +6,8 @@ the activation dtype; attention scores and softmax are f32.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,26 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, s)
     out = jnp.einsum("bkqs,bksh->bkqh", probs, v)  # [B, KV, G*T, hd]
     return out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd)
+
+
+def causal_query_blocks(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int,
+                        attend: Callable[..., jax.Array]) -> jax.Array:
+    """Causal self-attention in query blocks of `block` tokens, each against only the keys up to
+    its own end: the blocks above the diagonal, which a causal mask zeroes anyway, are never
+    computed. Exact: a masked score's softmax weight is exactly 0, so every row normalises over
+    the same keys as the whole-sequence call (results differ only by float summation order).
+
+    Why: with a small head_dim the [T, T] score, mask and softmax work dominates a step on CPU
+    (bench/RESULTS.md, the warm start), and about half of it is the masked upper triangle.
+    q [B, T, N, hd]; k, v [B, KV, T, hd]; mask [B, T, T] causal (`causal_mask`); `attend` is
+    `Ops.attention` with the impl bound -> [B, T, N, hd].
+    """
+    t = q.shape[1]
+    outs = []
+    for start in range(0, t, block):
+        end = min(t, start + block)
+        outs.append(attend(q[:, start:end], k[:, :, :end], v[:, :, :end], mask[:, start:end, :end]))
+    return jnp.concatenate(outs, axis=1)
 
 
 def right_padded_lengths(attention_mask: jax.Array) -> jax.Array:

@@ -146,7 +146,11 @@ class Attention(nnx.Module):
             keys, values = kv[0].astype(x.dtype), kv[1].astype(x.dtype)  # [B, KV, S, hd]
         # The cache (decode) path keeps XLA attention whatever attention_impl says: its mask is
         # not a causal-plus-length pattern (a row's new tokens sit after its cached prefix).
-        out = ops.attention(q, keys, values, mask, "xla")  # [B, T, N, hd]
+        if kv is None and 0 < cfg.attention_block < t:  # full sequence, causal: skip the upper triangle
+            out = layers.causal_query_blocks(q, keys, values, mask, cfg.attention_block,
+                                             lambda *a: ops.attention(*a, "xla"))  # [B, T, N, hd]
+        else:
+            out = ops.attention(q, keys, values, mask, "xla")  # [B, T, N, hd]
         return self.o_proj(out.reshape(b * t, -1), ops), kv
 
 
