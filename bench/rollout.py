@@ -82,10 +82,11 @@ def bench_decode(engines: dict[str, Engine], hf, vocab: int, batches: list[int],
 
         run_engine("kernels"), run_engine("xla"), run_hf()  # warm-up (compile)
         t: dict[str, list[float]] = {"kernels": [], "xla": [], "hf": []}
-        for _ in range(repeats):
-            t["kernels"].append(run_engine("kernels"))
-            t["xla"].append(run_engine("xla"))
-            t["hf"].append(run_hf())
+        runs = {"kernels": lambda: run_engine("kernels"), "xla": lambda: run_engine("xla"), "hf": run_hf}
+        order = list(runs)
+        for r in range(repeats):  # the order rotates per repeat: no path always runs right after another
+            for name in order[r % 3:] + order[:r % 3]:
+                t[name].append(runs[name]())
         tok = b * new
 
         def ratio(slow: str, fast: str) -> str:

@@ -116,6 +116,23 @@ def test_attention_dispatch_and_gradient(kernels):
     np.testing.assert_allclose(np.asarray(grad_v), want_grad_v, rtol=1e-5, atol=1e-6)
 
 
+def test_auto_runs_the_kernel_only_over_caches_where_it_pays(kernels):
+    """`auto`: the kernel from 256 cache slots on (decode_backend.KERNEL_MIN_SLOTS, the measured
+    rule), XLA's attention below; `cpu_kernels` runs it at every size."""
+    auto = decode_backend.resolve("auto", compute_dtype="float32")
+    assert isinstance(auto, CpuKernelOps) and auto.name == "auto:cpu_kernels" and kernels.name == "cpu_kernels"
+    rng = np.random.default_rng(1)
+    for s, auto_calls in ((128, 0), (255, 0), (256, 1), (512, 1)):
+        q, k, v = make_inputs(rng, 2, 2, 2, 16, s)
+        q = q.reshape(2, 1, 4, 16)
+        mask = np.ones((2, 1, s), bool)
+        attend = lambda ops: lambda q, k, v, m: ops.attention(q, k, v, m, "xla")  # noqa: E731
+        assert ffi_calls(attend(auto), q, k, v, mask) == auto_calls, s
+        assert ffi_calls(attend(kernels), q, k, v, mask) == 1, s
+        want = reference_attention(q.reshape(2, 2, 2, 16), k, v, mask[:, 0]).reshape(2, 1, 4, 16)
+        np.testing.assert_allclose(np.asarray(jax.jit(attend(auto))(q, k, v, mask)), want, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_kernels_fail_loudly_and_auto_warns_once(tmp_path, caplog):
     bad = str(tmp_path / "no-such-compiler")
     with pytest.raises(cpu_kernels.CpuKernelBuildError, match=r"(?s)decode_backend='cpu_kernels'.*no-such-compiler"):

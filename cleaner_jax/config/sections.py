@@ -94,7 +94,8 @@ class RolloutConfig:
         "router sends it meanwhile (docs/scaling.md, Generation through sglang-router); None: the trainer routes "
         "over rollout.server_urls itself")
     decode_backend: Literal[DECODE_BACKENDS] = field(
-        "auto", help="the embedded engine's decode kernels: auto (fastest that builds), xla, cpu_kernels")
+        "auto", help="the embedded engine's decode kernels: auto (the C++ attention kernel where it builds and "
+        "was measured faster: KV caches of 256+ slots), xla, cpu_kernels (the kernel on every decode step)")
     batch_invariant: bool = field(
         True, help="the embedded engine runs every batch at one width and prefills in fixed chunks, so a "
         "request's tokens and log-probs do not depend on what it is batched with (an exact resume needs it; "

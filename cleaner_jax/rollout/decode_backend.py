@@ -9,8 +9,10 @@
   stops at each row's last valid slot. The matmuls stay XLA's: few-row C++ matmuls were tried
   and lost under contention (bench/RESULTS.md, 2026-12-01). Only for JAX's CPU backend and
   float32 compute; where it does not apply or the C++ does not build, asking for it is an error;
-- `"auto"` (default): `cpu_kernels` where it applies and builds, else `xla`. A failed build is
-  logged once as a warning carrying the compiler's error.
+- `"auto"` (default): where `cpu_kernels` applies and builds, its kernel on the KV caches where
+  it is measured faster (`kernel_pays`: 256 slots or more) and XLA's attention on the smaller
+  ones; `xla` where it does not apply. A failed build is logged once as a warning carrying the
+  compiler's error.
 
 The resolved object is closed over by the engine's jitted programs, so it is part of what is
 traced: two engines with different backends compile different programs, in one process. The
@@ -35,14 +37,34 @@ log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 
 
+# `auto` runs the kernel on a KV cache of at least this many slots (the batch's S, a
+# `batch_plan.bucket`). The kernel reads each row's valid slots only; XLA's attention computes
+# all S. bench/decode_kernel_rule.py (bench/RESULTS.md, 2026-12-07): at S >= 256 the kernel was
+# faster in every cell (1.14-2.15x over batch 1-64, head_dim 16 and 64); at S = 128 the two
+# benches disagreed (0.98-1.24x there, 0.75-0.84x in bench/rollout.py --quick), so XLA keeps it.
+KERNEL_MIN_SLOTS = 256
+
+
+def kernel_pays(slots: int) -> bool:
+    """Whether `auto` decodes with the C++ attention kernel over a KV cache of `slots` slots."""
+    return slots >= KERNEL_MIN_SLOTS
+
+
 class CpuKernelOps(Ops):
     """`Ops` with the C++ kernel for one-token float32 attention; the XLA ops otherwise (every
-    matmul included). Construct it through `resolve`, which builds and registers the kernel first."""
+    matmul included). Construct it through `resolve`, which builds and registers the kernel first.
 
-    name = "cpu_kernels"
+    `only_where_it_pays` (the `auto` backend): the kernel runs only over caches where
+    `kernel_pays` says it is faster, decided per traced shape (the engine compiles one decode
+    program per cache bucket); otherwise (`cpu_kernels`) on every one-token float32 attention."""
+
+    def __init__(self, only_where_it_pays: bool = False):
+        self.only_where_it_pays = only_where_it_pays
+        self.name = "auto:cpu_kernels" if only_where_it_pays else "cpu_kernels"
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str) -> jax.Array:
-        if q.shape[1] == 1 and impl == "xla" and all(a.dtype == jnp.float32 for a in (q, k, v)):
+        applies = q.shape[1] == 1 and impl == "xla" and all(a.dtype == jnp.float32 for a in (q, k, v))
+        if applies and (not self.only_where_it_pays or kernel_pays(k.shape[2])):
             return _kernel_decode_attention(q, k, v, mask)
         return super().attention(q, k, v, mask, impl)
 
@@ -108,4 +130,4 @@ def resolve(
             log.warning("decode_backend='auto': the CPU decode attention kernel did not build, decoding with the XLA ops "
                         "(same results, slower decode; pass decode_backend='xla' to skip the build): %s", e)
         return XLA
-    return CpuKernelOps()
+    return CpuKernelOps(only_where_it_pays=decode_backend == "auto")
