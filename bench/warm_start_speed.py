@@ -1,6 +1,6 @@
 """The toy warm start's NLL fit: one `Learner.train_step` per step over the whole-sequence
 attention (the loop before issue 28 item 2) against `toy.warm_start.fit` (STEPS_PER_CALL steps
-per compiled call, the config's `model.attention_block` query blocks), measured in the same run
+per compiled call, the config's `warmup_sft.attention_block` query blocks), measured in the same run
 on the run's own demonstrations, init and batch rows (configs/toy.py).
 
 Printed per path: the seconds of the first call (compile included), the steady seconds per
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         timing["old"], losses["old"] = (t1 - t0, (t2 - t1) / max(args.steps - 1, 1), t2 - t0), np.asarray(out)
         old_weights = [np.asarray(x) for x in jax.tree.leaves(old.params)]
         old.close()
-        new = learner(c.model.attention_block)
+        new = learner(cfg.attention_block)
         c0, marks = time.process_time(), [time.perf_counter()]
         losses["new"] = fit(new, batch, rows, steps_per_call=per_call, on_steps=lambda _: marks.append(time.perf_counter()))
         cpu["new"] = time.process_time() - c0

@@ -11,9 +11,6 @@ def get_config():
     c.model.tiny_family = "qwen3"
     c.model.tiny_hidden_size = 64
     c.model.tiny_num_layers = 2
-    # query blocks of 32 tokens skip the causal upper triangle: the warm start's step is ~1.5x faster
-    # (its rows are ~340 tokens, head_dim 16: the [T, T] softmax work dominates; bench/RESULTS.md)
-    c.model.attention_block = 32
     c.data.train = "toy"
     c.data.eval = "toy"
     c.data.eval_limit = 128  # held-out problems (a different seed from the training ones)
@@ -53,6 +50,9 @@ def get_config():
     c.warmup_sft.deep_error_share = 0.5
     c.warmup_sft.guess_rate = 0.4
     c.warmup_sft.give_up_rate = 0.6
+    # query blocks of 32 tokens skip the causal upper triangle: the warm start's step is ~1.5x faster
+    # (its rows are ~340 tokens, head_dim 16: the [T, T] softmax work dominates; bench/RESULTS.md)
+    c.warmup_sft.attention_block = 32
     c.train.steps = 16
     c.train.eval_before_train = True
     c.train.eval_every = 16

@@ -525,8 +525,8 @@ def test_materialised_attention_scores_are_bounded(tmp_path):
                             r"1 row\(s\) per device x 32 heads / mesh\.tp=1 x T\^2 with T = agent\.max_prompt_tokens "
                             r"\+ agent\.max_response_tokens = 8193 is 8\.0 GiB, above the 8 GiB bound")
     assert "cudnn" in msg and "splash" in msg
-    rejects(at(8193, model__attention_impl="xla_causal", model__attention_block=0), r"config\.model\.attention_impl: 'xla_causal'")
-    validate(at(23040, model__attention_impl="cudnn", model__attention_block=0))  # a flash kernel: no scores, no bound
+    rejects(at(8193, model__attention_impl="xla_causal"), r"config\.model\.attention_impl: 'xla_causal'")
+    validate(at(23040, model__attention_impl="cudnn"))  # a flash kernel: no scores, no bound
     rejects(at(1024, model__attention_impl="cudnn", model__attention_block=32),  # blocks only the masked impl
             r"config\.model\.attention_block: 32 blocks the masked attention .* set model\.attention_block=0")
     validate(at(23040, mesh__tp=8))  # tp=8: 4 heads per device, 7.9 GiB

@@ -118,9 +118,12 @@ def test_attention_dispatch_and_gradient(kernels):
 
 def test_auto_runs_the_kernel_only_over_caches_where_it_pays(kernels):
     """`auto`: the kernel from 256 cache slots on (decode_backend.KERNEL_MIN_SLOTS, the measured
-    rule), XLA's attention below; `cpu_kernels` runs it at every size."""
+    rule), XLA's attention below; `cpu_kernels`, and `auto` in a batch-invariant engine, run it at
+    every size."""
     auto = decode_backend.resolve("auto", compute_dtype="float32")
     assert isinstance(auto, CpuKernelOps) and auto.name == "auto:cpu_kernels" and kernels.name == "cpu_kernels"
+    # a batch-invariant engine's auto: the kernel everywhere (S follows the batch's longest request)
+    invariant = decode_backend.resolve("auto", compute_dtype="float32", batch_invariant=True)
     rng = np.random.default_rng(1)
     for s, auto_calls in ((128, 0), (255, 0), (256, 1), (512, 1)):
         q, k, v = make_inputs(rng, 2, 2, 2, 16, s)
@@ -129,6 +132,7 @@ def test_auto_runs_the_kernel_only_over_caches_where_it_pays(kernels):
         attend = lambda ops: lambda q, k, v, m: ops.attention(q, k, v, m, "xla")  # noqa: E731
         assert ffi_calls(attend(auto), q, k, v, mask) == auto_calls, s
         assert ffi_calls(attend(kernels), q, k, v, mask) == 1, s
+        assert ffi_calls(attend(invariant), q, k, v, mask) == 1, s
         want = reference_attention(q.reshape(2, 2, 2, 16), k, v, mask[:, 0]).reshape(2, 1, 4, 16)
         np.testing.assert_allclose(np.asarray(jax.jit(attend(auto))(q, k, v, mask)), want, rtol=1e-5, atol=1e-5)
 

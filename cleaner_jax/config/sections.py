@@ -229,6 +229,9 @@ class WarmupSftConfig:
     give_up_rate: float = field(
         0.0, ge=0.0, le=1.0, help="after a failed call, the share of demonstrations that guess instead of fixing it")
     batch_size: int = field(16, ge=1, help="warm-start batch size")
+    attention_block: int = field(
+        0, ge=0, help="the warm start's model.attention_block: its long fit at one padded width pays the blocked "
+        "program's longer compile back many times, where a short RL run at several widths does not (bench/RESULTS.md)")
     cache_dir: str | None = field(
         None, help="directory where warm starts (and the step-0 evaluation) are kept and reused by every run "
         "whose warm-start config values and code match (cleaner_jax/toy/warm_cache.py, docs/study.md); None: "

@@ -11,7 +11,7 @@
   float32 compute; where it does not apply or the C++ does not build, asking for it is an error;
 - `"auto"` (default): where `cpu_kernels` applies and builds, its kernel on the KV caches where
   it is measured faster (`kernel_pays`: 256 slots or more) and XLA's attention on the smaller
-  ones; `xla` where it does not apply. A failed build is logged once as a warning carrying the
+  ones (in a batch-invariant engine over every cache: see `resolve`); `xla` where it does not apply. A failed build is logged once as a warning carrying the
   compiler's error.
 
 The resolved object is closed over by the engine's jitted programs, so it is part of what is
@@ -98,9 +98,13 @@ def resolve(
     compute_dtype: str,
     compiler: str = cpu_kernels.DEFAULT_COMPILER,
     cache_dir: Path | None = None,
+    batch_invariant: bool = False,
 ) -> Ops:
     """The ops for `decode_backend` (one of DECODE_BACKENDS) for a model computing in
     `compute_dtype` on JAX's default backend; `compiler` and `cache_dir` go to `cpu_kernels.load`.
+    `batch_invariant` (the engine's): `auto` runs the kernel at every cache size, not only where
+    `kernel_pays`, because the cache size S follows a batch's longest request, and a request's
+    numbers must not change with its batch-mates (the two attentions round differently).
 
     Raises ValueError for an unknown name or `cpu_kernels` where it does not apply, and
     `cpu_kernels.CpuKernelBuildError` when `cpu_kernels` was asked for and does not build."""
@@ -130,4 +134,4 @@ def resolve(
             log.warning("decode_backend='auto': the CPU decode attention kernel did not build, decoding with the XLA ops "
                         "(same results, slower decode; pass decode_backend='xla' to skip the build): %s", e)
         return XLA
-    return CpuKernelOps(only_where_it_pays=decode_backend == "auto")
+    return CpuKernelOps(only_where_it_pays=decode_backend == "auto" and not batch_invariant)

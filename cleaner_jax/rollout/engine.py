@@ -88,7 +88,7 @@ class Engine:
     ) -> None:
         """`dtype`: parameter and compute dtype. `decode_backend`: a name of
         `decode_backend.DECODE_BACKENDS` (resolved for this model's compute dtype; "auto" takes
-        the C++ CPU kernels where they apply and build) or an already resolved `Ops`.
+        the C++ CPU kernels where they apply, build and pay) or an already resolved `Ops`.
         `batch_invariant`: run every batch at width `max_batch`, prefill in chunks of
         `prefill_chunk` tokens and keep only prefilled KV in the prefix cache, so that a request's
         tokens and log-probs are the same whatever it is batched with (`batch_plan.py`)."""
@@ -100,7 +100,8 @@ class Engine:
         self.config = model.config
         self.dtype = dtype
         if isinstance(decode_backend, str):
-            decode_backend = backends.resolve(decode_backend, compute_dtype=self.config.compute_dtype)
+            decode_backend = backends.resolve(decode_backend, compute_dtype=self.config.compute_dtype,
+                                              batch_invariant=batch_invariant)
         elif not isinstance(decode_backend, Ops):
             raise TypeError(f"decode_backend must be a name in {backends.DECODE_BACKENDS} or a models.ops.Ops, "
                             f"got {type(decode_backend).__name__}")

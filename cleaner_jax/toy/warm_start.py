@@ -155,7 +155,7 @@ def warm_start(model_dir: Path, out_dir: Path, config: RunConfig, chat: ChatForm
     # One width for every step: a single compile.
     batch = dataclasses.replace(from_trajectories(demos, np.ones(len(demos), np.float32),
                                                   pad_id=chat.tokenizer.pad_token_id or 0), rollout_logprobs=None)
-    model = params.from_pretrained(model_dir, mesh=mesh, attention_block=config.model.attention_block)
+    model = params.from_pretrained(model_dir, mesh=mesh, attention_block=cfg.attention_block)
     learner = Learner(model, LearnerConfig(
         loss=LossConfig(kind="nll"),
         optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
