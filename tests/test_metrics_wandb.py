@@ -211,7 +211,8 @@ def test_a_toy_training_run_logs_to_wandb_what_it_logs_to_tensorboard(tmp_path):
     wd = tmp_path / "run"
     tiny = ["--config.train.steps=1", "--config.train.eval_every=1", "--config.train.eval_before_train=True",
             "--config.train.checkpoint_every=1", "--config.warmup_sft.steps=2", "--config.warmup_sft.examples=8",
-            "--config.warmup_sft.batch_size=4", "--config.algo.prompts_per_step=2", "--config.algo.group_size=2",
+            "--config.warmup_sft.batch_size=4", "--config.warmup_sft.attention_block=0",
+            "--config.algo.prompts_per_step=2", "--config.algo.group_size=2",
             "--config.algo.micro_batch_size=4", "--config.data.eval_limit=2", "--config.eval.n=2",
             "--config.sandbox.workers=2"]
     cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(root / "configs/toy.py"), "--workdir", str(wd),

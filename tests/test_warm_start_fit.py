@@ -1,7 +1,8 @@
 """The toy warm start's fit (`toy.warm_start.fit`: several NLL updates per compiled call, a
 `lax.scan` over pre-stacked batches) makes the updates of the step-by-step loop it replaced
 (one `Learner.train_step` per step on `rng.choice` rows): the same rows in the same order, the
-same per-step losses and final weights up to float rounding (bench/warm_start_speed.py times both)."""
+same per-step losses and final weights up to float rounding, also with the query blocks of
+`warmup_sft.attention_block` (bench/warm_start_speed.py times both)."""
 import jax
 import numpy as np
 import pytest
@@ -31,8 +32,8 @@ def demos(n=12, t=24, vocab=64, seed=0):
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=loss, advantages=np.ones(n, np.float32))
 
 
-def learner(ckpt):
-    return Learner(params.from_pretrained(ckpt), LearnerConfig(
+def learner(ckpt, attention_block=0):
+    return Learner(params.from_pretrained(ckpt, attention_block=attention_block), LearnerConfig(
         loss=LossConfig(kind="nll"), optimizer=OptimizerConfig(learning_rate=3e-3, warmup_steps=0, weight_decay=0.0),
         micro_batch_size=2, logprob_chunk_size=8))
 
@@ -44,19 +45,24 @@ def test_batch_rows_are_the_step_loops_draws():
     assert batch_rows(12, 0, 4, seed=5).shape == (0, 4)
 
 
-def test_fit_equals_the_step_by_step_loop(ckpt):
+@pytest.mark.parametrize("attention_block", [0, 5])  # 5: warmup_sft.attention_block's query blocks (24 = 4 x 5 + 4)
+def test_fit_equals_the_step_by_step_loop(ckpt, attention_block):
+    """The reference is the loop before issue 28: one step per call, whole-sequence attention."""
     batch = demos()
     rows = batch_rows(batch.num_rows, 7, 4, seed=3)  # 7 steps at 3 per call: a shorter last call too
     ref = learner(ckpt)
     ref_losses = np.asarray([ref.train_step(batch.rows(r))["loss"] for r in rows], np.float32)
-    new = learner(ckpt)
+    new = learner(ckpt, attention_block)
     seen = []
     losses = fit(new, batch, rows, steps_per_call=3, on_steps=seen.append)
     assert [len(s) for s in seen] == [3, 3, 1]
     assert len(set(np.round(ref_losses, 3))) > 1  # the loss moves: the updates are compared, not a constant
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    # blocks sum the softmax in another order; Adam's early updates (about lr = 3e-3 per step
+    # whatever the gradient's size) turn that into weight differences far below one step
+    atol = 1e-6 if attention_block == 0 else 5e-5
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
     assert (new.step, new.calls, new.skipped_steps) == (ref.step, ref.calls, ref.skipped_steps) == (7, 7, 0)
 
 

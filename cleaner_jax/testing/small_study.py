@@ -8,7 +8,7 @@ ARMS = ("cleaner", "grpo_raw")  # the runner's order within a seed (the study co
 SEEDS = (0, 1)
 RUN_OVERRIDES = {  # on top of configs/toy.py
     "train": {"steps": 2, "eval_every": 2, "checkpoint_every": 1, "eval_before_train": True},
-    "warmup_sft": {"steps": 2, "examples": 16, "batch_size": 8},
+    "warmup_sft": {"steps": 2, "examples": 16, "batch_size": 8, "attention_block": 0},  # 2 steps: no blocks
     "algo": {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4},
     "data": {"eval_limit": 2},
     "eval": {"n": 2},
