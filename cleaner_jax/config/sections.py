@@ -42,9 +42,10 @@ class ModelConfig:
         "implementation (any device, for checks). A kernel the device lacks fails at model build; the KV-cache "
         "(decode) path always uses xla")
     attention_block: int = field(
-        0, ge=0, help="attention_impl xla without a cache (learner, prefill): split the queries into blocks of this "
-        "many tokens, each attending only to the keys up to its end, so the causal upper triangle is never computed "
-        "(exact up to float summation order; ~2x less attention work on CPU, bench/RESULTS.md); 0 = one block")
+        0, ge=0, help="attention_impl xla without a KV cache (the learner's step and log-prob passes): split the "
+        "queries into blocks of this many tokens, each attending only to the keys up to its end, so the causal upper "
+        "triangle is never computed (exact up to float summation order; ~2x less attention work on CPU, "
+        "bench/RESULTS.md); 0 = one block")
     remat: Literal[REMAT_POLICIES] = field("none", help="activation rematerialisation per decoder layer")
     scan_layers: bool = field(
         False, help="run the decoder layers as one nnx.scan over stacked [L, ...] parameters (one layer compiled "

@@ -54,7 +54,7 @@ class QwenConfig:
     param_dtype: DtypeName = "float32"
     compute_dtype: DtypeName = "float32"
     attention_impl: Literal["xla", "cudnn", "xla_causal", "splash"] = "xla"
-    # attention_impl "xla" without a cache (learner, prefill): query blocks of this many tokens,
+    # attention_impl "xla" without a KV cache (the learner's passes): query blocks of this many tokens,
     # each against the keys up to its end (`layers.causal_query_blocks`); 0 = the whole sequence.
     attention_block: int = 0
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"

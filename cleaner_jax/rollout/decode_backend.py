@@ -11,8 +11,8 @@
   float32 compute; where it does not apply or the C++ does not build, asking for it is an error;
 - `"auto"` (default): where `cpu_kernels` applies and builds, its kernel on the KV caches where
   it is measured faster (`kernel_pays`: 256 slots or more) and XLA's attention on the smaller
-  ones (in a batch-invariant engine over every cache: see `resolve`); `xla` where it does not apply. A failed build is logged once as a warning carrying the
-  compiler's error.
+  ones (in a batch-invariant engine over every cache: see `resolve`); `xla` where it does not
+  apply. A failed build is logged once as a warning carrying the compiler's error.
 
 The resolved object is closed over by the engine's jitted programs, so it is part of what is
 traced: two engines with different backends compile different programs, in one process. The
