@@ -3,12 +3,12 @@
 `Engine(decode_backend="cpu_kernels")` against `Engine(decode_backend="xla")` on the same
 weights and requests, interleaved per repeat, over the shapes that decide it: the model's
 head_dim (the tiny test model, hd 16, and the ~5M model of bench/rollout.py, hd 64), the batch
-(1, 8, 64) and the KV-cache bucket S (prompt + new tokens, padded by `batch_plan.bucket`: 128,
+(1, 8, 64) and the KV-cache bucket S (prompt + new tokens, `batch_plan.cache_slots`: 128,
 256, 512). Greedy decoding, EOS ignored; each cell is the median of the per-repeat ratio
 xla time / kernels time (> 1: the kernel is faster). The rule `auto` applies is
 `decode_backend.kernel_pays`; the last column says what it picks for the cell.
 
-Run: `.venv/bin/python bench/decode_kernel_rule.py [--repeats 5]` (about 6 minutes on 2 cores),
+Run: `.venv/bin/python bench/decode_kernel_rule.py [--repeats 5]` (3 min 19 s on the 2-core box, bench/RESULTS.md),
 or `--tiny` for a smoke run. Findings go to bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleaner_jax.rollout.batch_plan import bucket
+from cleaner_jax.rollout.batch_plan import cache_slots
 from cleaner_jax.rollout.decode_backend import kernel_pays
 from cleaner_jax.rollout.engine import Engine
 from cleaner_jax.rollout.request import GenRequest, SamplingParams
@@ -57,11 +57,14 @@ def main() -> None:
                 for prompt, new in shapes:
                     sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
 
+                    def requests() -> list[GenRequest]:
+                        return [GenRequest(tuple(p), sp, f"r{i}")
+                                for i, p in enumerate(rng.integers(3, vocab, size=(b, prompt)).tolist())]
+
                     def run(backend: str) -> float:
                         engine = engines[backend]
                         engine.flush_cache()
-                        reqs = [GenRequest(tuple(p), sp, f"r{i}")
-                                for i, p in enumerate(rng.integers(3, vocab, size=(b, prompt)).tolist())]
+                        reqs = requests()
                         t0 = time.perf_counter()
                         engine.generate_batch(reqs)
                         return (time.perf_counter() - t0) / new
@@ -72,7 +75,7 @@ def main() -> None:
                         for backend in t:
                             t[backend].append(run(backend))
                     ratio = statistics.median(x / k for x, k in zip(t["xla"], t["cpu_kernels"]))
-                    s = bucket(prompt + new, 1)
+                    s = cache_slots(requests())  # the engine's S for this batch
                     pick = "kernel" if kernel_pays(s) else "xla"
                     print(f"| {name} | {b} | {s} | {1e3 * statistics.median(t['xla']):.3f} | "
                           f"{1e3 * statistics.median(t['cpu_kernels']):.3f} | {ratio:.2f} | {pick} |", flush=True)

@@ -85,7 +85,7 @@ def bench_decode(engines: dict[str, Engine], hf, vocab: int, batches: list[int],
         runs = {"kernels": lambda: run_engine("kernels"), "xla": lambda: run_engine("xla"), "hf": run_hf}
         order = list(runs)
         for r in range(repeats):  # the order rotates per repeat: no path always runs right after another
-            for name in order[r % 3:] + order[:r % 3]:
+            for name in order[r % len(order):] + order[:r % len(order)]:
                 t[name].append(runs[name]())
         tok = b * new
 

@@ -35,6 +35,13 @@ def bucket(n: int, minimum: int, step: int = 256) -> int:
     return -(-n // step) * step
 
 
+def cache_slots(reqs: list[GenRequest]) -> int:
+    """S, the KV-cache slots of a batch of `reqs`: prompt + max_new - 1 would do (the last sampled
+    token is never fed back), bucketed. Prefill padding past the end is dropped by the model's
+    scatter, so S need not cover cached + T."""
+    return bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs), 64)
+
+
 @dataclasses.dataclass
 class Batch:
     """One padded batch as the jitted programs take it, with what the results need back."""
@@ -82,9 +89,7 @@ def plan_batch(
         entries.append(entry if cached[i] > 0 else None)
     longest = max(len(r.input_ids) - int(c) for r, c in zip(reqs, cached))
     t = bucket(longest, 16, step=128) if prefill_chunk is None else -(-longest // prefill_chunk) * prefill_chunk
-    # Slots needed: prompt + max_new - 1 (the last sampled token is never fed back). Prefill
-    # padding past the end is dropped by the model's scatter, so S need not cover cached + T.
-    s_len = bucket(max(len(r.input_ids) + r.sampling.max_new_tokens for r in reqs), 64)
+    s_len = cache_slots(reqs)
     stop_lists = [stop_ids(r.sampling) for r in reqs]
     m = max(1, max(len(x) for x in stop_lists))
     tokens = np.zeros((b, t), np.int32)

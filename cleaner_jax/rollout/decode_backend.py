@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 
 
-# `auto` runs the kernel on a KV cache of at least this many slots (the batch's S, a
-# `batch_plan.bucket`). The kernel reads each row's valid slots only; XLA's attention computes
+# `auto` runs the kernel on a KV cache of at least this many slots (the batch's S,
+# `batch_plan.cache_slots`). The kernel reads each row's valid slots only; XLA's attention computes
 # all S. bench/decode_kernel_rule.py (bench/RESULTS.md, 2026-12-07): at S >= 256 the kernel was
 # faster in every cell (1.14-2.15x over batch 1-64, head_dim 16 and 64); at S = 128 the two
 # benches disagreed (0.98-1.24x there, 0.75-0.84x in bench/rollout.py --quick), so XLA keeps it.
