@@ -19,8 +19,7 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.23.3,<1",
     "safetensors>=0.8.0,<1",
     "ml_collections>=1.1.0,<2",
-    "tensorboardX>=2.6.5,<3",  # event writer without TensorFlow
-    "tensorboard>=2.21.0,<3",  # the viewer, and the event reader used by viz/plots.py
+    "tensorboard>=2.21.0,<3",  # the viewer, the event protos metrics_writer writes, the reader of viz/plots.py
     "matplotlib>=3.11.2,<4",
     "numpy>=2.4.6,<3",
     "math-verify>=0.9.0,<0.10",
@@ -47,6 +46,8 @@ EXTRAS_REQUIRE = {
         "hypothesis>=6.170.17,<7",
         "scipy>=1.11,<2",  # independent reference of the bootstrap interval (tests/test_eval_metrics.py); jax needs it too
         "torch>=2.13.0,<2.15",
+        # an independent event writer for tests/test_viz_plots.py (the package writes its own events)
+        "tensorboardX>=2.6.5,<3",
         # drives Debian's chromium (/usr/bin/chromium, installed by .ci/run) in tests/test_viz_browser.py;
         # it never downloads a browser of its own (the test passes executable_path)
         "playwright>=1.45,<2",

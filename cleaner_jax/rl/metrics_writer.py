@@ -1,14 +1,16 @@
-"""Per-step scalar metrics to TensorBoard (tensorboardX, no TensorFlow) and a JSON-lines file.
+"""Per-step scalar metrics to TensorBoard (no TensorFlow) and a JSON-lines file.
 
 The JSON-lines copy (`metrics.jsonl`, one object per step) is what notebooks read without
-TensorBoard's event parser. Both carry exactly the same names (docs/metrics.md): tensorboardX's
-`SummaryWriter.add_scalar` rewrites names it calls illegal (`eval/toy/pass@1` -> `pass_1`, with
-a log line each time), so scalars are written as summary protos (tensorboardX's), which keep
-the tag as given; TensorBoard reads any tag string. The event file is written here, record by
-record, rather than through tensorboardX's `FileWriter`: its `flush()` does not wait for the
-events still queued for its writer thread, so a process killed after a flush could lose steps
-from TensorBoard that `metrics.jsonl` has. Here `flush()` is a barrier: everything written
-before it is in both files (and fsync'd).
+TensorBoard's event parser. Both carry exactly the same names (docs/metrics.md): scalars are
+written as summary protos (the `tensorboard` package's own, `tensorboard.compat.proto`), which
+keep the tag as given; TensorBoard reads any tag string (tensorboardX's
+`SummaryWriter.add_scalar` would rewrite names it calls illegal, `eval/toy/pass@1` -> `pass_1`).
+The event file is written here, record by record, rather than through a library's background
+writer (tensorboardX's `FileWriter.flush()` does not wait for the events still queued for its
+writer thread, so a process killed after a flush could lose steps from TensorBoard that
+`metrics.jsonl` has). Here `flush()` is a barrier: everything written before it is in both files
+(and fsync'd). Nothing here imports tensorboardX: its package imports torch when torch is
+installed, ~1.2 s of every trainer's start-up for nothing.
 
 Resume (docs/reliability.md, row 3): a run killed after its last checkpoint has logged steps that
 the resumed run trains again. `MetricsWriter(..., keep_through=k)` first removes every row and
@@ -16,7 +18,7 @@ event of a step after k, so the log ends up equal to an uninterrupted run's: `me
 rewritten without them (a temporary file, fsync, rename: a kill leaves the old file or the new
 one), each TensorBoard event file likewise (records kept byte for byte; a record torn by the
 kill at the file's end is dropped), and the new event file opens with a `SessionLog.START` event
-at step k + 1, tensorboardX's `purge_step`, which makes a TensorBoard that had already loaded the
+at step k + 1 (what tensorboardX's `purge_step` writes), which makes a TensorBoard that had already loaded the
 old events drop them too.
 
 Weights & Biases (docs/metrics.md, "Weights & Biases"): `loggers=("tensorboard", "wandb")`
@@ -40,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.proto.summary_pb2 import Summary
-from tensorboardX.record_writer import masked_crc32c
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 log = logging.getLogger(__name__)
 EVENT_GLOB = "events.out.tfevents.*"
@@ -166,7 +168,7 @@ def _start_wandb(init: dict[str, object]) -> object:
 
 
 class _EventFile:
-    """A TensorBoard event file (TFRecords of `Event` protos, as tensorboardX and TensorFlow write
+    """A TensorBoard event file (TFRecords of `Event` protos, as TensorFlow and tensorboardX write
     them: little-endian length, masked CRC-32C of the length, payload, masked CRC-32C of it),
     written synchronously."""
 

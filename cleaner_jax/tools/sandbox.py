@@ -133,16 +133,22 @@ class _Worker:
             n = int.from_bytes(recv_exact(fd, 4), "big")
             return json.loads(recv_exact(fd, n))
 
-    def kill(self, exiting_is_gone: bool = False) -> None:
-        """Kill the server, its reaper and its spare child, and wait until they are gone
-        (zombies; with `exiting_is_gone`, also tasks still in exit, which hold no memory or
-        files: a replacement need not wait for the host's init to reap, see `_alive`).
+    def kill(self) -> None:
+        """Kill the server, its reaper and its spare child, and wait until they are gone: zombies,
+        or tasks still in exit, which hold no memory or files (neither a replacement nor `close`
+        need wait for the host's init to reap them, which some inits do only every ~2 s: `_alive`).
 
         (The kernel would kill them anyway, via PDEATHSIG and the PID namespace, but only
         asynchronously; callers and tests rely on nothing being left when this returns.)
         Safe to call twice: a reaped pid may belong to another process by then."""
+        self.wait_gone(self.signal_kill())
+
+    def signal_kill(self) -> list[int]:
+        """The first half of `kill`: SIGKILL to the server's group and its children (returned, for
+        `wait_gone`), without waiting; nothing (an empty list) if it was killed before. Split so
+        that a pool kills all its workers first and then waits for them together."""
         if self.killed:
-            return
+            return []
         self.killed = True
         children = _children(self.proc.pid)
         try:
@@ -154,9 +160,13 @@ class _Worker:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return children
+
+    def wait_gone(self, children: list[int]) -> None:
+        """The second half of `kill`: reap the server and wait (at most 5 s) for its children."""
         self.proc.wait()
         deadline = time.monotonic() + 5.0
-        while any(_alive(pid, exiting_is_gone) for pid in children) and time.monotonic() < deadline:
+        while any(_alive(pid, exiting_is_gone=True) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.01)
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
@@ -267,7 +277,7 @@ class Sandbox:
         Raises WorkerStartError (the fresh one killed too) when it does not come up; the slot
         then holds a dead worker, which the next call replaces again."""
         log.warning("sandbox worker %d (pid %d) replaced: %s", w.slot, w.proc.pid, why)
-        w.kill(exiting_is_gone=True)
+        w.kill()
         self._forget_workdir(w)
         with self._lock:
             self.replaced_workers += 1
@@ -275,7 +285,7 @@ class Sandbox:
         try:
             new.wait_ready(self.start_timeout_s)
         except WorkerStartError:
-            new.kill(exiting_is_gone=True)
+            new.kill()
             raise
         return new
 
@@ -404,8 +414,12 @@ class Sandbox:
             self._executor.shutdown(wait=True)
         with self._lock:
             workers, self._all = list(self._all.values()), {}
-        for w in workers:
-            w.kill()
+        # every worker is killed before any is waited for (they exit together), and a task still
+        # in exit counts as gone: waiting for the host's init to reap each worker's reaper in
+        # turn (~2 s each under some inits) made every run's end seconds longer
+        children = [w.signal_kill() for w in workers]
+        for w, kids in zip(workers, children):
+            w.wait_gone(kids)
         shutil.rmtree(self.root_dir, ignore_errors=True)
 
     def __enter__(self) -> Sandbox:
