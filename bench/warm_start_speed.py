@@ -1,6 +1,7 @@
 """The toy warm start's NLL fit: one `Learner.train_step` per step over the whole-sequence
-attention (the loop before issue 28 item 2) against `toy.warm_start.fit` (STEPS_PER_CALL steps
-per compiled call, the config's `warmup_sft.attention_block` query blocks), measured in the same run
+attention with the RL learner's LM-head chunks (`algo.logprob_chunk`: the loop before issue 28 item 2)
+against `toy.warm_start.fit` (STEPS_PER_CALL steps per compiled call, the config's
+`warmup_sft.attention_block` query blocks and `warmup_sft.logprob_chunk` chunks), measured in the same run
 on the run's own demonstrations, init and batch rows (configs/toy.py).
 
 Printed per path: the seconds of the first call (compile included), the steady seconds per
@@ -72,16 +73,16 @@ def main(argv: list[str] | None = None) -> None:
                                     rollout_logprobs=None)
         rows = batch_rows(len(demos), args.steps, cfg.batch_size, c.train.seed)
 
-        def learner(attention_block: int) -> Learner:
+        def learner(attention_block: int, logprob_chunk: int) -> Learner:
             return Learner(params.from_pretrained(model_dir, mesh=mesh, attention_block=attention_block), LearnerConfig(
                 loss=LossConfig(kind="nll"),
                 optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
-                micro_batch_size=cfg.batch_size, logprob_chunk_size=c.algo.logprob_chunk), mesh)
+                micro_batch_size=cfg.batch_size, logprob_chunk_size=logprob_chunk), mesh)
 
         print(f"{len(demos)} demonstrations, width {batch.input_ids.shape[1]}, batch {cfg.batch_size}, "
               f"{args.steps} steps; {per_call} steps per call (new)", flush=True)
         timing, losses = {}, {}
-        old = learner(0)
+        old = learner(0, c.algo.logprob_chunk)  # the 12-02 fit read the RL learner's chunking
         c0, t0 = time.process_time(), time.perf_counter()
         out = [old.train_step(batch.rows(rows[0]))["loss"]]
         t1 = time.perf_counter()
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         timing["old"], losses["old"] = (t1 - t0, (t2 - t1) / max(args.steps - 1, 1), t2 - t0), np.asarray(out)
         old_weights = [np.asarray(x) for x in jax.tree.leaves(old.params)]
         old.close()
-        new = learner(cfg.attention_block)
+        new = learner(cfg.attention_block, cfg.logprob_chunk)
         c0, marks = time.process_time(), [time.perf_counter()]
         losses["new"] = fit(new, batch, rows, steps_per_call=per_call, on_steps=lambda _: marks.append(time.perf_counter()))
         cpu["new"] = time.process_time() - c0

@@ -35,6 +35,7 @@ BASE = key()
     ("rollout.temperature", 0.7), ("sandbox.workers", 3),
     # how a sandbox fault is handled, not what a demonstration's call may do
     ("sandbox.hang_grace_s", 5.0), ("sandbox.infra_retries", 0),
+    ("algo.logprob_chunk", 64),  # the RL learner's chunking; the fit's is warmup_sft.logprob_chunk
 ])
 def test_keys_the_warm_start_does_not_read_keep_the_key(path, value):
     assert key(setter(path, value))[0] == BASE[0]
@@ -57,7 +58,7 @@ def other(value, path):
 @pytest.mark.parametrize("path", [
     "train.seed", "data.toy_max_operand", "data.toy_num_ops", "model.tiny_hidden_size", "model.tiny_num_layers",
     "model.compute_dtype", "agent.max_response_tokens", "agent.chunk_template", "agent.observation_max_chars",
-    "sandbox.timeout_s", "algo.logprob_chunk", "mesh.fsdp",
+    "sandbox.timeout_s", "mesh.fsdp",
     # every warmup_sft key (the fit and the teacher's habits), whatever keys the section has now
     *(f"warmup_sft.{k}" for k in load_config("toy").warmup_sft if k != "cache_dir"),
 ])

@@ -233,6 +233,10 @@ class WarmupSftConfig:
     attention_block: int = field(
         0, ge=0, help="the warm start's model.attention_block: its long fit at one padded width pays the blocked "
         "program's longer compile back many times, where a short RL run at several widths does not (bench/RESULTS.md)")
+    logprob_chunk: int = field(
+        1024, ge=1, help="the warm-start learner's tokens per LM-head chunk (algo.logprob_chunk is the RL "
+        "learner's): the fit's rows are one padded width, so one chunk over the whole row costs no more memory "
+        "than the RL learner's and saves the per-chunk work (bench/RESULTS.md)")
     cache_dir: str | None = field(
         None, help="directory where warm starts (and the step-0 evaluation) are kept and reused by every run "
         "whose warm-start config values and code match (cleaner_jax/toy/warm_cache.py, docs/study.md); None: "

@@ -60,7 +60,6 @@ WARM_KEYS: dict[str, tuple[str, ...] | None] = {
     "sandbox": ("timeout_s", "memory_mb"),  # what a demonstration's tool call may do
     "mesh": None,           # how the fit is sharded
     "train": ("seed",),     # the tiny init, the demonstrations' problems and draws, the batch order
-    "algo": ("logprob_chunk",),  # the warm-start learner's log-prob chunking
 }
 NOT_KEYED = {("warmup_sft", "cache_dir")}
 # What the evaluation before step 1 reads on top of the warm start: the evaluation settings and

@@ -159,7 +159,7 @@ def warm_start(model_dir: Path, out_dir: Path, config: RunConfig, chat: ChatForm
     learner = Learner(model, LearnerConfig(
         loss=LossConfig(kind="nll"),
         optimizer=OptimizerConfig(learning_rate=cfg.lr, warmup_steps=0, weight_decay=0.0),
-        micro_batch_size=cfg.batch_size, logprob_chunk_size=config.algo.logprob_chunk), mesh)
+        micro_batch_size=cfg.batch_size, logprob_chunk_size=cfg.logprob_chunk), mesh)
     rows = batch_rows(len(demos), cfg.steps, cfg.batch_size, config.train.seed)
     with tqdm(total=cfg.steps, desc="warm start (NLL on teacher demos)", unit="step") as bar:
         def progress(losses: np.ndarray) -> None:
