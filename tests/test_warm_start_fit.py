@@ -13,7 +13,7 @@ from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
-from cleaner_jax.toy.warm_start import batch_rows, fit
+from cleaner_jax.toy.warm_start import batch_rows, call_bounds, fit
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +45,25 @@ def test_batch_rows_are_the_step_loops_draws():
     assert batch_rows(12, 0, 4, seed=5).shape == (0, 4)
 
 
+def test_calls_are_as_few_as_allowed_and_of_sizes_one_apart():
+    assert call_bounds(40, 25) == [(0, 20), (20, 40)]  # one compile, where 25 + 15 took two
+    assert call_bounds(800, 25) == [(i, i + 25) for i in range(0, 800, 25)]  # the toy: 32 calls of 25
+    assert call_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert call_bounds(4, 25) == [(0, 4)]
+    assert call_bounds(0, 25) == []
+
+
 @pytest.mark.parametrize("attention_block", [0, 5])  # 5: warmup_sft.attention_block's query blocks (24 = 4 x 5 + 4)
 def test_fit_equals_the_step_by_step_loop(ckpt, attention_block):
     """The reference is the loop before issue 28: one step per call, whole-sequence attention."""
     batch = demos()
-    rows = batch_rows(batch.num_rows, 7, 4, seed=3)  # 7 steps at 3 per call: a shorter last call too
+    rows = batch_rows(batch.num_rows, 7, 4, seed=3)  # 7 steps at 3 per call: calls of 3, 2 and 2 steps
     ref = learner(ckpt)
     ref_losses = np.asarray([ref.train_step(batch.rows(r))["loss"] for r in rows], np.float32)
     new = learner(ckpt, attention_block)
     seen = []
     losses = fit(new, batch, rows, steps_per_call=3, on_steps=seen.append)
-    assert [len(s) for s in seen] == [3, 3, 1]
+    assert [len(s) for s in seen] == [3, 2, 2]
     assert len(set(np.round(ref_losses, 3))) > 1  # the loss moves: the updates are compared, not a constant
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     # blocks sum the softmax in another order; Adam's early updates (about lr = 3e-3 per step

@@ -72,6 +72,19 @@ async def teacher_demonstrations(chat: ChatFormat, executor: ToolExecutor, agent
 STEPS_PER_CALL = 25  # NLL updates per compiled call (800 steps: 32 calls); the result does not depend on it
 
 
+def call_bounds(steps: int, steps_per_call: int) -> list[tuple[int, int]]:
+    """[start, stop) of each compiled call: as few calls as `steps_per_call` allows, of sizes that
+    differ by at most one (40 steps: 20 + 20, not 25 + 15), since every new size is a new compile
+    of the scanned program (seconds, more than a short fit's steps)."""
+    calls = -(-steps // steps_per_call)
+    bounds, start = [], 0
+    for i in range(calls):
+        stop = start + steps // calls + (i < steps % calls)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def batch_rows(num_demos: int, steps: int, batch_size: int, seed: int) -> np.ndarray:
     """[steps, batch_size] demonstration indices of every step, drawn without replacement within
     a step: the draws the step-by-step loop made (one `rng.choice` per step, in order)."""
@@ -128,8 +141,8 @@ def fit(learner: Learner, batch: Batch, rows: np.ndarray, steps_per_call: int = 
             on_steps(losses[-1])
 
     with jax.set_mesh(mesh) if mesh is not None else nullcontext():
-        for start in range(0, steps, steps_per_call):
-            stacked = jax.tree.map(lambda x: x[rows[start:start + steps_per_call]], host)  # [K, B, ...]
+        for start, stop in call_bounds(steps, steps_per_call):
+            stacked = jax.tree.map(lambda x: x[rows[start:stop]], host)  # [K, B, ...]
             learner.params, learner.opt_state, learner.scaler, metrics = _train_steps(
                 learner.params, learner.rest, learner.opt_state, learner.scaler, stacked, **static)
             if pending:
