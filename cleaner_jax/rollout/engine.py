@@ -18,6 +18,7 @@ and closed over by the programs). Sampling semantics are SGLang's (see sampling.
 """
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from pathlib import Path
@@ -204,7 +205,12 @@ class Engine:
         backend `device_get` may alias the buffer) and the engine drops its device arrays, which
         frees them (not `delete()`d: a `load_state` caller may share them); the copy
         makes `resume_memory` exact whatever the weights came from (a checkpoint, an in-memory
-        `load_state`, a sync directory that has since been removed). "kv_cache": the prefix cache,
+        `load_state`, a sync directory that has since been removed). Dropping them is not enough
+        by itself: flattening an `nnx.State` (every jitted call on it, and the copy here) leaves
+        the list of its variables in a reference cycle (the recursive closure of flax's
+        `nnx.traversals.flatten_to_sequence`), which holds every parameter until Python's cycle
+        collector runs; the release runs it, so the memory is free when it returns, which is
+        what a colocated learner waits for. "kv_cache": the prefix cache,
         the only KV this engine keeps between batches (each batch allocates its own), is dropped
         with its device buffers. While any tag is released, generation and weight loading raise
         `MemoryReleasedError`. Waits for a running batch; releasing a released tag is an error
@@ -226,6 +232,7 @@ class Engine:
                 self._host_state = (treedef, [np.array(x, copy=True) for x in leaves], [x.sharding for x in leaves])
                 del leaves
                 self._state = None
+                gc.collect()  # the flatten cycles that still hold the parameters (see the docstring)
             self._released.update(wanted)
             return tuple(t for t in MEMORY_TAGS if t in wanted)
 
