@@ -28,11 +28,11 @@ from typing import TypeVar
 
 import jax
 from jax.sharding import Mesh
-from transformers import AutoTokenizer
 
 from cleaner_jax import distributed
 from cleaner_jax.agent.collect import Collector
 from cleaner_jax.agent.tools import SandboxExecutor
+from cleaner_jax.chat.tokenizer import load_tokenizer
 from cleaner_jax.chat.template import CODE_INTERPRETER_TOOL, ChatFormat
 from cleaner_jax.config import RunConfig, check_mesh, sandbox_warning
 from cleaner_jax.models import compile_cache, sharding
@@ -76,7 +76,7 @@ class Session:
             self.scorer = stack.enter_context(Scorer(self.sandbox, **scorer_options(c)))
             self.executor = SandboxExecutor(self.sandbox, observation_mode=c.agent.observation_mode,
                                             max_chars=c.agent.observation_max_chars)
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self.tokenizer = load_tokenizer(self.model_dir)
             tools = (CODE_INTERPRETER_TOOL,) if c.agent.use_tools else ()
             self.chat = ChatFormat(self.tokenizer, tools=tools, chunk_template=c.agent.chunk_template)
             self.agent = c.agent

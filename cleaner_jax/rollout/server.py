@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from safetensors import SafetensorError
 
+from cleaner_jax.chat.tokenizer import load_tokenizer
 from cleaner_jax.models import compile_cache
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
@@ -54,7 +55,7 @@ class ServerState:
     def attach(self, engine: Engine, max_wait_s: float = 0.005) -> None:
         self.engine = engine
         self.scheduler = BatchScheduler(engine, max_wait_s=max_wait_s)
-        self.tokenizer = load_tokenizer(engine.model_path)
+        self.tokenizer = checkpoint_tokenizer(engine.model_path)
         self.ready.set()
 
     def close(self) -> None:
@@ -62,15 +63,13 @@ class ServerState:
             self.scheduler.close()
 
 
-def load_tokenizer(model_path: str) -> Any:
+def checkpoint_tokenizer(model_path: str) -> Any:
     """The checkpoint's tokenizer for `text`, or None (then responses carry no `text`, like
     SGLang's --skip-tokenizer-init)."""
     path = Path(model_path)
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(path)
 
 
 # ----------------------------------------------------------------------------- handlers
