@@ -132,6 +132,20 @@ def test_release_frees_and_resume_restores_with_equal_generation(server, engine)
     assert after_s["meta_info"]["cached_tokens"] == 0  # the prefix cache was dropped
 
 
+def test_a_weight_update_frees_the_previous_weights(server, engine):
+    """The same cycles hold the weights a sync replaces: they must go when the update returns, not
+    at some later collection (on a 0.5B model in float32, 2 GB held beside the new weights)."""
+    before = generate(server.url, GREEDY)
+    version = engine.weight_version
+    for path in (checkpoint(1), checkpoint(0)):
+        old = [weakref.ref(x) for x in jax.tree.leaves(engine._state)]
+        status, out = call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(path)})
+        assert status == 200 and out["success"], out
+        assert [r() for r in old if r() is not None] == []
+    engine.weight_version = version
+    assert generate(server.url, GREEDY)["output_ids"] == before["output_ids"]  # checkpoint 0 again
+
+
 def test_requests_while_released_are_refused_clearly(server, engine):
     url = server.url
     status, out = call(url, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})

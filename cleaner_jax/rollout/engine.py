@@ -41,6 +41,15 @@ from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 MEMORY_TAGS = ("weights", "kv_cache")
 
 
+def _free_dropped_weights() -> None:
+    """Free the parameters the engine just dropped. Dropping the last reference is not enough:
+    flax flattens a state (`nnx.split` when weights are loaded) through
+    `nnx.traversals.flatten_to_sequence`, whose recursive closure keeps the flattened list, and
+    every variable in it, in a reference cycle that only Python's cycle collector frees. Without a collection here the old weights
+    stay in memory until the collector happens to run (tests/test_colocated.py)."""
+    gc.collect()
+
+
 class MemoryReleasedError(RuntimeError):
     """The engine was asked to generate or load weights while its memory is released
     (`release_memory`); the caller must `resume_memory` first (→ HTTP 400 on the server)."""
@@ -179,6 +188,7 @@ class Engine:
             if jax.tree.structure(state) != jax.tree.structure(self._state):
                 raise ValueError("load_state: the new state's tree does not match the served model's")
             self._state = state
+            _free_dropped_weights()  # the previous weights, now rather than at some later collection
             if flush_cache:
                 self.prefix_cache.clear()
             if weight_version is not None:
@@ -205,12 +215,9 @@ class Engine:
         backend `device_get` may alias the buffer) and the engine drops its device arrays, which
         frees them (not `delete()`d: a `load_state` caller may share them); the copy
         makes `resume_memory` exact whatever the weights came from (a checkpoint, an in-memory
-        `load_state`, a sync directory that has since been removed). Dropping them is not enough
-        by itself: flattening an `nnx.State` (every jitted call on it, and the copy here) leaves
-        the list of its variables in a reference cycle (the recursive closure of flax's
-        `nnx.traversals.flatten_to_sequence`), which holds every parameter until Python's cycle
-        collector runs; the release runs it, so the memory is free when it returns, which is
-        what a colocated learner waits for. "kv_cache": the prefix cache,
+        `load_state`, a sync directory that has since been removed), and are freed when the
+        release returns, which is what a colocated learner waits for (`_free_dropped_weights`).
+        "kv_cache": the prefix cache,
         the only KV this engine keeps between batches (each batch allocates its own), is dropped
         with its device buffers. While any tag is released, generation and weight loading raise
         `MemoryReleasedError`. Waits for a running batch; releasing a released tag is an error
@@ -232,7 +239,7 @@ class Engine:
                 self._host_state = (treedef, [np.array(x, copy=True) for x in leaves], [x.sharding for x in leaves])
                 del leaves
                 self._state = None
-                gc.collect()  # the flatten cycles that still hold the parameters (see the docstring)
+                _free_dropped_weights()
             self._released.update(wanted)
             return tuple(t for t in MEMORY_TAGS if t in wanted)
 
