@@ -16,7 +16,7 @@ from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
     "What is 12 * 7?",
-    "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"print(2**10)\"}}\n</tool_call><|im_end|>",
+    '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(2**10)"}}\n</tool_call><|im_end|>',
     "  leading spaces, tabs\tand\nnewlines, digits 3.14159 and ünïcödé  ",
 ]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"},
@@ -55,7 +55,8 @@ def test_only_qwen3_checkpoints_of_the_generic_class_skip_auto_tokenizer(checkpo
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (remote / name).write_bytes((checkpoint / name).read_bytes())
     tok_config = json.loads((remote / "tokenizer_config.json").read_text())
-    (remote / "tokenizer_config.json").write_text(json.dumps({**tok_config, "auto_map": {"AutoTokenizer": ["x", "y"]}}))
+    tok_config["auto_map"] = {"AutoTokenizer": ["x", "y"]}
+    (remote / "tokenizer_config.json").write_text(json.dumps(tok_config))
     assert not is_plain(remote)  # remote code: AutoTokenizer decides
 
 

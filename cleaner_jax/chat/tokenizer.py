@@ -1,11 +1,11 @@
 """A checkpoint directory's `transformers` tokenizer, as `AutoTokenizer.from_pretrained` returns it.
 
 `AutoTokenizer` reads the model's config through `AutoConfig`, whose import chain imports torch
-where torch is installed: about a second per process (bench/RESULTS.md, 2026-12-07, the suite's
-fixed costs). Every trainer, evaluator and embedded rollout server loads one tokenizer, and the
-toy world starts many such processes. For the one tokenizer class whose resolution is plain,
-`load_tokenizer` constructs it directly; every other checkpoint (real Qwen ones: `Qwen2Tokenizer`) goes
-through `AutoTokenizer` unchanged.
+where torch is installed: about a second per process (bench/RESULTS.md, 2026-12-07 (later),
+"Trainers and rollout servers no longer import torch"). Every trainer, evaluator and embedded
+rollout server loads one tokenizer, and the toy world starts many such processes. For the one
+tokenizer class whose resolution is plain, `load_tokenizer` constructs it directly; every other
+checkpoint (real Qwen ones: `Qwen2Tokenizer`) goes through `AutoTokenizer` unchanged.
 
 The plain case: `tokenizer_config.json` names `PreTrainedTokenizerFast` (in transformers 5 the
 same class as `TokenizersBackend`; the toy checkpoints save it), declares no `auto_map` (remote
