@@ -1,4 +1,4 @@
-"""The C++ decode attention kernel (rollout/cpu_kernels.py) against a float64 NumPy reference,
+"""The C++ cache attention kernel (rollout/cpu_kernels.py) against a float64 NumPy reference,
 its dispatch by the `cpu_kernels` decode backend (rollout/decode_backend.py), which leaves every
 matmul to XLA, how choosing a backend fails, and that the model and the learner never reach it.
 The engine's parity tests (tests/test_rollout_engine.py) run both backends against Hugging Face
@@ -60,6 +60,11 @@ def reference_attention(q, k, v, mask) -> np.ndarray:
     return np.einsum("bkgs,bksh->bkgh", w, v)
 
 
+def reference_chunk_attention(q, k, v, mask) -> np.ndarray:
+    """q [B, T, KV, G, hd]; mask [B, T, S] -> [B, T, KV, G, hd]: `reference_attention` per query."""
+    return np.stack([reference_attention(q[:, t], k, v, mask[:, t]) for t in range(q.shape[1])], axis=1)
+
+
 def make_inputs(rng, b, kv, g, hd, s):
     q = rng.standard_normal((b, kv, g, hd)).astype(np.float32)
     k = rng.standard_normal((b, kv, s, hd)).astype(np.float32)
@@ -79,12 +84,32 @@ def test_decode_attention_matches_float64_reference(kernels, b, kv, g, hd, s):
     if b > 2:
         mask[1, s // 2:] = False  # valid slots, then an empty tail, which the kernel skips
         mask[2, :] = True
-    got = jax.jit(cpu_kernels.decode_attention, static_argnums=4)(q, k, v, mask, hd**-0.5)
+    got = jax.jit(cpu_kernels.cache_attention, static_argnums=4)(q[:, None], k, v, mask[:, None], hd**-0.5)[:, 0]
     np.testing.assert_allclose(np.asarray(got), reference_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("b,kv,g,hd,s,t,cached", [(3, 2, 2, 16, 96, 8, 20), (2, 1, 4, 64, 40, 5, 0),
+                                                   (4, 2, 1, 8, 257, 16, 100)])
+def test_chunk_attention_matches_float64_reference(kernels, b, kv, g, hd, s, t, cached):
+    """A prefill chunk: T queries per row, each causal over the row's cached prefix and the chunk
+    so far (the engine's mask), a row idle in the chunk (no valid slot: uniform weights, XLA's
+    answer) and a row with a hole in its mask."""
+    rng = np.random.default_rng(b * 1000 + s + t)
+    q = rng.standard_normal((b, t, kv, g, hd)).astype(np.float32)
+    _, k, v = make_inputs(rng, b, kv, g, hd, s)
+    pos = cached + np.arange(t)  # [T] the chunk's slots
+    mask = np.arange(s)[None, None, :] <= pos[None, :, None]  # [1, T, S]
+    mask = np.broadcast_to(mask, (b, t, s)).copy()
+    mask[0] = False  # idle in this chunk
+    if b > 2:
+        mask[2, :, 1] = False
+    got = jax.jit(cpu_kernels.cache_attention, static_argnums=4)(q, k, v, mask, hd**-0.5)
+    np.testing.assert_allclose(np.asarray(got), reference_chunk_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_dispatch_and_gradient(kernels):
-    """One new token goes to the kernel, more go to XLA; gradients flow through the XLA form."""
+    """One new token and a chunk of them go to the kernel, bfloat16 to XLA; gradients flow
+    through the XLA form."""
     rng = np.random.default_rng(0)
     b, kv, g, hd, s = 2, 2, 2, 16, 24
     q, k, v = make_inputs(rng, b, kv, g, hd, s)
@@ -97,8 +122,10 @@ def test_attention_dispatch_and_gradient(kernels):
         return lambda q, k, v, mask: ops.attention(q, k, v, mask, "xla")
 
     assert ffi_calls(attend(kernels), q, k, v, mask) == 1
-    q2 = np.concatenate([q, q], axis=1)
-    assert ffi_calls(attend(kernels), q2, k, v, np.concatenate([mask, mask], 1)) == 0
+    q2, mask2 = np.concatenate([q, q], axis=1), np.concatenate([mask, mask], 1)
+    assert ffi_calls(attend(kernels), q2, k, v, mask2) == 1
+    want2 = reference_chunk_attention(q2.reshape(b, 2, kv, g, hd), k, v, mask2).reshape(b, 2, kv * g, hd)
+    np.testing.assert_allclose(np.asarray(attend(kernels)(q2, k, v, mask2)), want2, rtol=1e-5, atol=1e-5)
     assert ffi_calls(attend(kernels), q.astype(jnp.bfloat16), k, v, mask) == 0
     assert ffi_calls(attend(XLA), q, k, v, mask) == 0
 

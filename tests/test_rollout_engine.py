@@ -181,9 +181,9 @@ def test_decode_backends_match_transformers(backend):
 
 
 def test_decode_backend_is_what_the_model_step_runs():
-    """The kernel backend's decode step calls the attention kernel once per layer and nothing else
-    of ours (its matmuls are XLA's); a prefill step, the XLA backend and the model's default call
-    none (the backend reaches the model only as its `ops` argument)."""
+    """The kernel backend's decode step and prefill step each call the attention kernel once per
+    layer and nothing else of ours (its matmuls are XLA's); the XLA backend and the model's default
+    call none (the backend reaches the model only as its `ops` argument)."""
     import jax
     import jax.numpy as jnp
 
@@ -200,8 +200,9 @@ def test_decode_backend_is_what_the_model_step_runs():
     kernels = engine("cpu_kernels").decode_backend
     layers = model.config.num_hidden_layers
     step = jaxpr(kernels)
-    assert step.count("cj_decode_attention") == step.count("cj_") == layers
-    assert jaxpr(kernels, jnp.ones((4, 3), jnp.int32)).count("cj_") == 0  # prefill: T > 1 stays XLA's
+    assert step.count("cj_cache_attention") == step.count("cj_") == layers
+    prefill = jaxpr(kernels, jnp.ones((4, 3), jnp.int32))
+    assert prefill.count("cj_cache_attention") == prefill.count("cj_") == layers
     assert jaxpr(engine("xla").decode_backend).count("cj_") == 0
     assert jaxpr(None).count("cj_") == 0
 

@@ -4,8 +4,8 @@
 `Ops` object. The default, `XLA`, is plain einsums on any hardware (full-sequence attention
 through the kernel `QwenConfig.attention_impl` names), and it is all the learner ever uses.
 The rollout engine passes its decode backend instead (`rollout/decode_backend.py`), which may
-route the shapes where XLA is slow to hand-written kernels (today only the one-token
-attention of a CPU decode step; every matmul stays XLA's). A substitute must compute the same
+route the shapes where XLA is slow to hand-written kernels (today only attention over the KV
+cache on CPU, in decode steps and prefill chunks; every matmul stays XLA's). A substitute must compute the same
 function; the model itself never looks at the hardware and imports no backend.
 """
 from __future__ import annotations

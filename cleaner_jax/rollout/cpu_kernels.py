@@ -1,9 +1,12 @@
-"""Float32 single-token decode attention on CPU (csrc/cpu_kernels.cc), called through XLA FFI.
+"""Float32 attention over a KV cache on CPU (csrc/cpu_kernels.cc), called through XLA FFI: the
+rollout engine's decode steps (one query token per row) and prefill chunks (a chunk of them).
 
 At decode time attention's dots (the 2-8 query heads sharing a KV head, against the KV cache)
 are tiny batched GEMMs, and XLA:CPU packs their operands into a scratch layout on every call,
-over every cache slot whether it holds a token yet or not. `decode_attention` reads the cache
-[B, KV, S, hd] once, as it lies, and stops at each row's last valid slot. (The few-row matmuls
+over every cache slot whether it holds a token yet or not; a prefill chunk's XLA attention
+scores every query against every slot too, a cost that grows with the cache however short the
+prompt. `cache_attention` reads the cache [B, KV, S, hd] once, as it lies, and stops at each
+query's last valid slot. (The few-row matmuls
 are left to XLA: hand-written ones gained nothing on a quiet box and lost on a busy one;
 bench/RESULTS.md, 2026-12-01.)
 
@@ -35,7 +38,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cc"
 DEFAULT_COMPILER = "c++"
-_TARGETS = {"cj_decode_attention": "CjDecodeAttention"}  # FFI target name -> the library's symbol
+_TARGETS = {"cj_cache_attention": "CjCacheAttention"}  # FFI target name -> the library's symbol
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -129,13 +132,15 @@ def _register(path: Path) -> None:
         raise CpuKernelBuildError(f"could not load {path}: {e}; delete it to rebuild") from e
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Single-token GQA attention over a KV cache, float32 (call `load()` first).
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """GQA attention of T query tokens per row over a KV cache, float32 (call `load()` first).
 
-    q [B, KV, G, hd] (the G query heads of each KV head); k, v [B, KV, S, hd]; mask [B, S] bool
-    -> [B, KV, G, hd]. Not differentiable: `decode_backend.CpuKernelOps.attention` wraps it.
+    q [B, T, KV, G, hd] (the G query heads of each KV head); k, v [B, KV, S, hd]; mask [B, T, S]
+    bool -> [B, T, KV, G, hd]. A query with no valid slot gets uniform weights over all S, as
+    XLA's finite mask value gives. Not differentiable: `decode_backend.CpuKernelOps.attention`
+    wraps it.
     """
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("cj_decode_attention", out, vmap_method="sequential")(
+    return jax.ffi.ffi_call("cj_cache_attention", out, vmap_method="sequential")(
         q, k, v, mask, scale=np.float32(scale)
     )

@@ -4,9 +4,9 @@
 `DECODE_BACKENDS`, resolved once by `resolve` when the engine is built:
 
 - `"xla"`: `models.ops.XLA`, the model's own plain einsums, on any device and dtype;
-- `"cpu_kernels"`: `CpuKernelOps`, the XLA ops except for the one-token attention of a decode
-  step, which runs a float32 C++ kernel (`cpu_kernels.py`) that reads the KV cache once and
-  stops at each row's last valid slot. The matmuls stay XLA's: few-row C++ matmuls were tried
+- `"cpu_kernels"`: `CpuKernelOps`, the XLA ops except for attention over the KV cache (a decode
+  step's one token, a prefill chunk's tokens), which runs a float32 C++ kernel (`cpu_kernels.py`)
+  that reads the cache once and stops at each query's last valid slot. The matmuls stay XLA's: few-row C++ matmuls were tried
   and lost under contention (bench/RESULTS.md, 2026-12-01). Only for JAX's CPU backend and
   float32 compute; where it does not apply or the C++ does not build, asking for it is an error;
 - `"auto"` (default): where `cpu_kernels` applies and builds, its kernel on the KV caches where
@@ -51,45 +51,45 @@ def kernel_pays(slots: int) -> bool:
 
 
 class CpuKernelOps(Ops):
-    """`Ops` with the C++ kernel for one-token float32 attention; the XLA ops otherwise (every
-    matmul included). Construct it through `resolve`, which builds and registers the kernel first.
+    """`Ops` with the C++ kernel for float32 attention over a KV cache (decode steps and prefill
+    chunks); the XLA ops otherwise (every matmul included). Construct it through `resolve`, which builds and registers the kernel first.
 
     `only_where_it_pays` (the `auto` backend): the kernel runs only over caches where
     `kernel_pays` says it is faster, decided per traced shape (the engine compiles one decode
-    program per cache bucket); otherwise (`cpu_kernels`) on every one-token float32 attention."""
+    program per cache bucket); otherwise (`cpu_kernels`) on every float32 attention it is given."""
 
     def __init__(self, only_where_it_pays: bool = False):
         self.only_where_it_pays = only_where_it_pays
         self.name = "auto:cpu_kernels" if only_where_it_pays else "cpu_kernels"
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str) -> jax.Array:
-        applies = q.shape[1] == 1 and impl == "xla" and all(a.dtype == jnp.float32 for a in (q, k, v))
+        applies = impl == "xla" and all(a.dtype == jnp.float32 for a in (q, k, v))
         if applies and (not self.only_where_it_pays or kernel_pays(k.shape[2])):
-            return _kernel_decode_attention(q, k, v, mask)
+            return _kernel_attention(q, k, v, mask)
         return super().attention(q, k, v, mask, impl)
 
 
 @jax.custom_vjp
-def _kernel_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """`layers.grouped_attention` of one new token: q [B, 1, N, hd]; k, v [B, KV, S, hd]; mask [B, 1, S]."""
-    b, _, n, hd = q.shape
+def _kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`layers.grouped_attention`: q [B, T, N, hd]; k, v [B, KV, S, hd]; mask [B, T, S]."""
+    b, t, n, hd = q.shape
     kv = k.shape[1]
-    out = cpu_kernels.decode_attention(q.reshape(b, kv, n // kv, hd), k, v, mask[:, 0], hd**-0.5)  # [B, KV, G, hd]
-    return out.reshape(b, 1, n, hd)
+    out = cpu_kernels.cache_attention(q.reshape(b, t, kv, n // kv, hd), k, v, mask, hd**-0.5)  # [B, T, KV, G, hd]
+    return out.reshape(b, t, n, hd)
 
 
-def _kernel_decode_attention_fwd(q, k, v, mask):
-    return _kernel_decode_attention(q, k, v, mask), (q, k, v, mask)
+def _kernel_attention_fwd(q, k, v, mask):
+    return _kernel_attention(q, k, v, mask), (q, k, v, mask)
 
 
-def _kernel_decode_attention_bwd(res, g):
+def _kernel_attention_bwd(res, g):
     """Gradients through the XLA formulation: the kernel itself is forward-only."""
     q, k, v, mask = res
     _, vjp = jax.vjp(functools.partial(layers.grouped_attention, mask=mask), q, k, v)
     return (*vjp(g), None)
 
 
-_kernel_decode_attention.defvjp(_kernel_decode_attention_fwd, _kernel_decode_attention_bwd)
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 def resolve(

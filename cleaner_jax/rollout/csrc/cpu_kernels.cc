@@ -1,10 +1,11 @@
-// Float32 single-token GQA attention over a KV cache for the rollout engine's decode step on CPU,
-// called from JAX through XLA FFI.
+// Float32 GQA attention over a KV cache for the rollout engine's decode steps and prefill chunks
+// on CPU, called from JAX through XLA FFI.
 //
 // Why it exists: at decode time attention's two dots (the 2-8 query heads sharing a KV head
 // against every cache slot) are tiny batched GEMMs, and XLA:CPU packs their right-hand side into
-// a scratch layout on every call, over every cache slot whether it holds a token yet or not.
-// This kernel reads keys and values once, as they lie, and stops at each row's last valid slot.
+// a scratch layout on every call, over every cache slot whether it holds a token yet or not; a
+// prefill chunk's XLA attention likewise scores every query against every slot of the cache.
+// This kernel reads keys and values once, as they lie, and stops at each query's last valid slot.
 // Work is spread over XLA's intra-op thread pool. Built and loaded by
 // cleaner_jax/rollout/cpu_kernels.py for the engine's `cpu_kernels` decode backend; checked
 // against NumPy in tests/test_rollout_cpu_kernels.py and against Hugging Face `generate` through
@@ -88,23 +89,21 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t madds, const F& fn) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// One (batch row, KV head) of single-token GQA attention: q [G, hd]; k, v [S, hd]; mask [S];
+// One query token of one (batch row, KV head) of GQA attention: q [G, hd]; k, v [S, hd]; mask [S];
 // out [G, hd]. Same math as `models.layers.grouped_attention` (f32 scores, softmax, probs @ v)
 // with masked slots at zero weight, which lets slots after the last valid one be skipped. Each
-// key and value row is read once and applied to all G query heads. With no valid slot at all,
-// XLA's finite mask value makes the softmax uniform over all S: so here.
-void DecodeAttentionHead(const float* q, const float* k, const float* v, const bool* mask, float* out,
-                         int64_t G, int64_t hd, int64_t S, float scale, float* scores) {
-  std::fill(out, out + G * hd, 0.f);
+// key and value row is read once and applied to all G query heads. A query with no valid slot
+// at all gets XLA's answer, uniform weights over all S (its finite mask value): `uniform`, the
+// mean of v over every slot, computed by the caller once per (row, KV head).
+void AttendOneQuery(const float* q, const float* k, const float* v, const bool* mask, const float* uniform,
+                    float* out, int64_t G, int64_t hd, int64_t S, float scale, float* scores) {
   int64_t end = S;
   while (end > 0 && !mask[end - 1]) --end;
   if (end == 0) {  // nothing to attend to: uniform weights over every slot, as XLA computes it
-    for (int64_t s = 0; s < S; ++s)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < hd; ++d) out[g * hd + d] += v[s * hd + d];
-    for (int64_t i = 0; i < G * hd; ++i) out[i] /= static_cast<float>(S);
+    for (int64_t g = 0; g < G; ++g) std::copy(uniform, uniform + hd, out + g * hd);
     return;
   }
+  std::fill(out, out + G * hd, 0.f);
   for (int64_t s = 0; s < end; ++s) {  // scores [G, end], row-major by g
     const float* ks = k + s * hd;
     for (int64_t g = 0; g < G; ++g) scores[g * S + s] = mask[s] ? Dot(q + g * hd, ks, hd) * scale : -INFINITY;
@@ -132,36 +131,57 @@ void DecodeAttentionHead(const float* q, const float* k, const float* v, const b
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale,
-                               ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions();    // [B, KV, G, hd]
+// The mean of v [S, hd] over its S slots (sum in slot order, then one division per element).
+void SlotMean(const float* v, int64_t S, int64_t hd, float* mean) {
+  std::fill(mean, mean + hd, 0.f);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t d = 0; d < hd; ++d) mean[d] += v[s * hd + d];
+  for (int64_t d = 0; d < hd; ++d) mean[d] /= static_cast<float>(S);
+}
+
+// T query tokens per row against a KV cache: one task per (batch row, KV head), its T queries
+// in order. A decode step is T = 1; a prefill chunk is T = the chunk, each query masked to its
+// own causal prefix of the cache, so the work follows the valid slots, not the cache size.
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();    // [B, T, KV, G, hd]
   const auto kd = k.dimensions();    // [B, KV, S, hd]
   const auto vd = v.dimensions();    // [B, KV, S, hd]
-  const auto md = mask.dimensions(); // [B, S]
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 2)
-    return ffi::Error::InvalidArgument("cj_decode_attention: expected q/k/v of rank 4 and mask of rank 2");
-  const int64_t B = qd[0], KV = qd[1], G = qd[2], hd = qd[3], S = kd[2];
+  const auto md = mask.dimensions(); // [B, T, S]
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument("cj_cache_attention: expected q of rank 5, k/v of rank 4 and mask of rank 3");
+  const int64_t B = qd[0], T = qd[1], KV = qd[2], G = qd[3], hd = qd[4], S = kd[2];
   if (kd[0] != B || kd[1] != KV || kd[3] != hd || vd[0] != B || vd[1] != KV || vd[2] != S || vd[3] != hd ||
-      md[0] != B || md[1] != S)
-    return ffi::Error::InvalidArgument("cj_decode_attention: shapes of q, k, v and mask disagree");
+      md[0] != B || md[1] != T || md[2] != S)
+    return ffi::Error::InvalidArgument("cj_cache_attention: shapes of q, k, v and mask disagree");
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  ParallelFor(pool, B * KV, 2 * B * KV * G * hd * S, [&](int64_t i) {
-    const int64_t b = i / KV;
+  ParallelFor(pool, B * KV, 2 * B * KV * T * G * hd * S, [&](int64_t i) {
+    const int64_t b = i / KV, h = i % KV;
+    const float* ki = kp + i * S * hd;
+    const float* vi = vp + i * S * hd;
     std::vector<float> scores(G * S);
-    DecodeAttentionHead(qp + i * G * hd, kp + i * S * hd, vp + i * S * hd, mp + b * S, op + i * G * hd,
-                        G, hd, S, scale, scores.data());
+    std::vector<float> uniform;  // the all-masked answer, computed at the first query that needs it
+    for (int64_t t = 0; t < T; ++t) {
+      const bool* mt = mp + (b * T + t) * S;
+      if (uniform.empty() && std::none_of(mt, mt + S, [](bool m) { return m; })) {
+        uniform.resize(hd);
+        SlotMean(vi, S, hd, uniform.data());
+      }
+      const int64_t row = ((b * T + t) * KV + h) * G * hd;  // q and out [B, T, KV, G, hd]
+      AttendOneQuery(qp + row, ki, vi, mt, uniform.data(), op + row, G, hd, S, scale, scores.data());
+    }
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CjDecodeAttention, DecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CjCacheAttention, CacheAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
