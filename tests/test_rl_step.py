@@ -387,3 +387,36 @@ def test_a_mini_batch_without_spliced_tokens_does_not_dilute_the_spliced_gap(ckp
     # non-spliced: 3 + 6 tokens in the first mini-batch, 12 in the second
     assert got["learner/gap/abs_diff"] == pytest.approx((6 * 0.05 + 0.5) / 21, rel=1e-5)
     assert got["learner/gap/abs_diff_max"] == pytest.approx(0.5, rel=1e-5)
+
+
+class CompileCounter:
+    """XLA compilations in this process, from JAX's own monitoring event (one per backend compile)."""
+
+    count = 0
+
+    @classmethod
+    def listen(cls, event: str, _secs: float, **_kw) -> None:
+        cls.count += event == "/jax/core/compile/backend_compile_duration"
+
+
+jax.monitoring.register_event_duration_secs_listener(CompileCounter.listen)
+
+
+@pytest.mark.parametrize("bucket_widths", ["", "8,16,128"])
+def test_a_second_rl_step_of_the_same_shapes_compiles_nothing(ckpt, bucket_widths):
+    """The first RL step compiles the learner's programs; a second one on other episodes of the
+    same lengths (other tokens, rewards and advantages) runs them all from memory: no input
+    arrives uncommitted or with another structure, no static argument changes."""
+    def step_episodes(offset):
+        return [scored("a", 0, episode([5, 6, 7], [10 + offset, 11, 12, 13, 14]), 1.0),
+                scored("a", 0, episode([5, 6, 7], [20, 21 + offset], obs=[30, 31, 32], turn2=[22, 23, 24]), -1.0),
+                scored("b", 1, episode([8, 9], [50, 51, 52 + offset, 53]), float(offset % 2)),
+                scored("b", 1, episode([8, 9], [54 + offset, 55, 56]), -1.0)]
+
+    learner = learner_of(ckpt, bucket_widths)
+    cfg = StepConfig(max_response_tokens=64, mini_batches=2, old_logprobs="recompute")
+    rl_step(learner, step_episodes(0), cfg)
+    before = CompileCounter.count
+    assert before > 0  # the listener sees compiles
+    rl_step(learner, step_episodes(1), cfg)
+    assert CompileCounter.count == before
