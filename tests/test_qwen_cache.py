@@ -82,3 +82,17 @@ def test_right_padded_prefill_of_different_lengths_equals_per_row(case):
             ref = hf_model(torch.tensor(np.concatenate([p, continuation[b]])[None])).logits[0].numpy()
         np.testing.assert_allclose(last_prefill[b], ref[len(p) - 1], atol=1e-4, rtol=0)
         np.testing.assert_allclose(np.stack([d[b] for d in decoded]), ref[len(p):], atol=1e-4, rtol=0)
+
+
+def test_cached_mask_by_hand():
+    """Row 0: 2 cached tokens, then 2 real new ones of 3; row 1 idle in this call (no real new
+    token): a real query sees the cache and the new tokens up to itself, a pad query nothing."""
+    import numpy as np
+
+    from cleaner_jax.models.layers import cached_mask
+
+    got = np.asarray(cached_mask(np.array([2, 1]), np.array([[1, 1, 0], [0, 0, 0]]), 3, 6))
+    want = np.zeros((2, 3, 6), bool)
+    want[0, 0, :3] = True  # slots 0-1 cached, slot 2 itself
+    want[0, 1, :4] = True
+    assert got.tolist() == want.tolist()

@@ -53,7 +53,10 @@ def cached_mask(lengths: jax.Array, attention_mask: jax.Array | None, new_len: i
     """[B, T, S] bool for T new tokens written at slots lengths[b] + t of an S-slot cache.
 
     Slots before lengths[b] hold earlier real tokens; a new slot is valid iff its token is real
-    (right padding only: a pad slot past the new length is overwritten by later tokens).
+    (right padding only: a pad slot past the new length is overwritten by later tokens). A pad
+    query attends to nothing: its output is never read (its KV lies past the row's length), and a
+    row idle in a prefill chunk, or stopped in a decode step, then costs an attention kernel that
+    stops at each query's last valid slot nothing per query.
     """
     slots = jnp.arange(max_len)[None, None, :]  # [1, 1, S]
     query_slot = lengths[:, None, None] + jnp.arange(new_len)[None, :, None]  # [B, T, 1]
@@ -64,7 +67,7 @@ def cached_mask(lengths: jax.Array, attention_mask: jax.Array | None, new_len: i
         new_valid = jnp.take_along_axis(
             attention_mask[:, None, :] > 0, jnp.clip(offset, 0, new_len - 1), axis=-1
         )  # [B, 1, S]
-        mask = mask & (~in_new | new_valid)
+        mask = mask & (~in_new | new_valid) & (attention_mask[:, :, None] > 0)
     return mask
 
 
