@@ -37,7 +37,7 @@ def get_config():
     c.algo.micro_batch_size = 16
     c.algo.logprob_chunk = 128
     # the toy's rows are ~150-350 tokens: pow2's 256/512 padded ~35-40% of a batch's slots, this list
-    # ~12%, the RL update ~1.2x faster once its programs are compiled (bench/RESULTS.md, 2026-12-08)
+    # ~12% (bench/RESULTS.md, 2026-12-07): fewer padded tokens in every update, more widths to compile once
     c.algo.bucket_widths = "128,192,256,320,384,512,768"
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 2

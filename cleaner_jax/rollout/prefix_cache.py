@@ -11,9 +11,8 @@ stacked) padded to a bucket `P`, so copying one into a batch cache compiles once
 The index is a token trie (SGLang's radix tree without the merged edges): a lookup or an insert
 walks its own tokens once, whatever the number of entries. Every node keeps the entries whose
 tokens pass through it in insertion order, so that the choice among equally long matches is the
-one a scan of the entries in insertion order makes (the oldest surviving entry). A flat list
-searched linearly cost ~5 ms per request at a few hundred entries: most of a toy step's
-batching time (bench/RESULTS.md, 2026-12-08).
+one a scan of the entries in insertion order makes (the oldest surviving entry). It replaced a flat
+list scanned linearly, whose cost grew with the entries (bench/RESULTS.md, 2026-12-07).
 """
 from __future__ import annotations
 
