@@ -185,6 +185,40 @@ def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[
             "torch_frac_peak": flops / tt / peak, "gflop_per_step": flops / 1e9}
 
 
+def op_profile(bc: BenchConfig, steps: int) -> dict[str, float]:
+    """Per-op device time of `steps` JAX train steps (jax.profiler's trace of the XLA:CPU thunks):
+    seconds per step in matmuls (XLA:CPU's dots, run by YNNPACK: `ynn_*` ops and `dot*`) and in
+    every other op, and the ten costliest other ops."""
+    import collections
+    import glob
+    import gzip
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
+        hf = tiny_config("qwen3", **bc.overrides)
+        learner = Learner(params.from_pretrained(path, attention_block=bc.attention_block), LearnerConfig(
+            loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
+            micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
+        batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        learner.train_step(batch)  # compile
+        jax.profiler.start_trace(os.path.join(tmp, "trace"))
+        for _ in range(steps):
+            learner.train_step(batch)
+        jax.profiler.stop_trace()
+        [trace] = glob.glob(os.path.join(tmp, "trace", "**", "*.trace.json.gz"), recursive=True)
+        events = json.load(gzip.open(trace))["traceEvents"]
+    ops: collections.Counter[str] = collections.Counter()
+    for e in events:  # XLA:CPU's thunks; Python's frames ($...), the runtime's spans (A::B) and the call are not ops
+        name = e.get("name", "")
+        if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "PjitFunction", "ParseArguments")) \
+                and "::" not in name:
+            ops[name] += e["dur"] / 1e6 / steps
+    matmul = sum(v for k, v in ops.items() if k.startswith(("ynn", "dot")))
+    other = sum(v for k, v in ops.items() if not k.startswith(("ynn", "dot")))
+    top = [(k, v) for k, v in ops.most_common() if not k.startswith(("ynn", "dot"))][:10]
+    return {"matmul_s": matmul, "other_s": other, "other_share": other / (matmul + other), "top_other": top}
+
+
 # ----------------------------------------------------------------------------- step-variant overhead
 
 CORRECTION_FIELDS = ("tis", "tis_mode", "splice_correction")  # LossConfig fields whose modes are timed
@@ -435,6 +469,8 @@ def main() -> None:
     ap.add_argument("--attention-block", type=int, default=None,
                     help="model.attention_block of the JAX step for every config (0 = whole-sequence attention); "
                          "default: each config's own (toy 32, 30m 64)")
+    ap.add_argument("--op-profile", action="store_true",
+                    help="no torch: the JAX step's per-op device time, matmuls against everything else (jax.profiler)")
     ap.add_argument("--torch-worker", nargs=3, metavar=("CKPT", "BATCH_NPZ", "STEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_worker:
@@ -452,6 +488,14 @@ def main() -> None:
             CONFIGS[n] = replace(CONFIGS[n], attention_block=args.attention_block)
     if args.overhead:
         main_overhead(names, args.steps, args.rounds)
+        return
+    if args.op_profile:
+        for n in names:
+            r = op_profile(CONFIGS[n], args.steps)
+            print(f"{CONFIGS[n].name}: per step, matmuls {r['matmul_s']:.3f} s, other ops {r['other_s']:.3f} s "
+                  f"(non-matmul share {100 * r['other_share']:.1f}%); costliest other ops:")
+            for k, v in r["top_other"]:
+                print(f"  {v * 1000:8.1f} ms  {k}")
         return
 
     print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "

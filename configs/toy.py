@@ -36,9 +36,9 @@ def get_config():
     c.algo.mini_batches_per_step = 1
     c.algo.micro_batch_size = 16
     c.algo.logprob_chunk = 128
-    # the toy's rows are ~150-350 tokens: pow2's 256/512 padded ~35-40% of a batch's slots, this list
-    # ~12% (bench/RESULTS.md, 2026-12-07): fewer padded tokens in every update, more widths to compile once
-    c.algo.bucket_widths = "128,192,256,320,384,512,768"
+    # the toy's rows are ~150-350 tokens: pow2's 256/512 padded ~35-40% of a batch's slots, widths every
+    # 64 tokens ~12% (bench/RESULTS.md, 2026-12-07): fewer padded tokens in every update, more widths to compile
+    c.algo.bucket_widths = "every:64"
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 2
     c.mesh.fsdp = 1

@@ -47,6 +47,11 @@ def test_rules_name_the_widths_by_hand():
     assert bucket_widths("pow2", 1000) == (128, 256, 512, 1024)  # budget rounded up to 128
     assert bucket_widths("pow2", 100) == (128,)
     assert bucket_widths("1024, 4096,8192", 8000) == (1024, 4096, 8192)
+    assert bucket_widths("every:64", 512 + 256) == tuple(range(64, 769, 64))  # the toy run: 64, 128, ..., 768
+    assert bucket_widths("every:100", 250) == (100, 200, 300)  # the budget rounded up to the step
+    for bad in ("every:", "every:0", "every:x", "every:-5"):
+        with pytest.raises(ValueError, match="needs a positive integer step"):
+            bucket_widths(bad, 768)
     assert parse_widths("") == ()
     for bad, match in (("4096,1024", "strictly ascending"), ("1024,1024", "strictly ascending"),
                        ("0,8", "strictly ascending"), ("1k,2k", "not a comma-separated list"),
@@ -244,8 +249,14 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
 
 def test_config_bucket_widths_reach_the_learner_and_are_checked():
     c = load_config("toy")  # budget 512 + 256
-    assert c.algo.bucket_widths == "pow2"
+    assert c.algo.bucket_widths == "every:64"
+    assert wiring.learner_config(run_config.validate(c)).bucket_widths == ",".join(map(str, range(64, 769, 64)))
+    c.algo.bucket_widths = "pow2"
     assert wiring.learner_config(run_config.validate(c)).bucket_widths == "128,256,512,768"
+    c.agent.max_response_tokens = 512  # the toy's rule follows the budget
+    c.algo.bucket_widths = "every:64"
+    assert wiring.learner_config(run_config.validate(c)).widths[-1] == 1024
+    c.agent.max_response_tokens = 256
     c.algo.bucket_widths = "off"
     off = wiring.learner_config(run_config.validate(c))
     assert off.bucket_widths == "" and off.widths == ()

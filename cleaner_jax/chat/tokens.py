@@ -40,8 +40,3 @@ def call_start(turn_ids: Sequence[int], tool_call_id: int, decode: Callable[[Seq
     while j > 0 and TOOL_CALL_START in decode(turn_ids[:j]):
         j -= 1
     return j
-
-
-def positions_of(ids: Sequence[int], token_ids: set[int]) -> list[int]:
-    """Indices of the tokens of `ids` that belong to `token_ids` (e.g. all special tokens)."""
-    return [i for i, t in enumerate(ids) if t in token_ids]

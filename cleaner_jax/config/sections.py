@@ -194,7 +194,8 @@ class AlgoConfig:
     bucket_widths: str = field(
         "pow2", help="learner micro-batch widths (length bucketing; same loss and gradients, fewer padded tokens, "
         "one compile per width): pow2 = 128, 256, ... below agent.max_prompt_tokens + agent.max_response_tokens, "
-        "then that budget rounded up to 128; an ascending list 'w1,w2,...' whose largest covers the budget; off = "
+        "then that budget rounded up to 128; every:K = K, 2K, ... up to the budget rounded up to K (short rows: the "
+        "toy's every:64); an ascending list 'w1,w2,...' whose largest covers the budget; off = "
         "every row padded to the step's longest (a new width, a new compile)")
 
 

@@ -216,12 +216,6 @@ def _stacked_reader(tensors: list[Any], transpose: bool, np_dtype: Any):
     return read
 
 
-def _entry_value(state: nnx.State, e: ParamEntry) -> jax.Array:
-    """The array HF tensor `e.hf_name` holds: the state's array at `e.path`, or its layer `e.layer`."""
-    value = _get_nested(state, e.path)
-    return value if e.layer is None else value[e.layer]
-
-
 def _set_nested(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})

@@ -226,7 +226,7 @@ def local_rows(x: jax.Array, mesh: Mesh | None) -> np.ndarray:
 # mask). The loss is a token-sum divided by the mini-batch's count (`rl.losses`), so which rows
 # share a micro-batch does not change it (beyond float rounding).
 
-BUCKETING_RULES = ("off", "pow2")  # besides an explicit "w1,w2,..." list
+BUCKETING_RULES = ("off", "pow2", "every:K")  # besides an explicit "w1,w2,..." list
 MIN_POW2_WIDTH = 128  # the smallest width of the pow2 rule
 WIDTH_MULTIPLE = 128  # the pow2 rule's last width: the budget rounded up to this
 
@@ -251,12 +251,21 @@ def bucket_widths(rule: str, budget: int, where: str = "bucket_widths") -> tuple
     off   -> () : one padded width per mini-batch (its longest row);
     pow2  -> 128, 256, ... (powers of two below the budget), then the budget rounded up to a
              multiple of 128: at most log2(budget / 128) + 2 shapes, each row padded < 2x;
+    every:K -> K, 2K, 3K, ... up to the budget rounded up to a multiple of K: each row padded by
+             fewer than K tokens, at most budget / K + 1 shapes (for short rows, where pow2's
+             doubling pads most: the toy run's);
     'w1,w2,...' -> those widths; the largest must cover the budget.
     """
     if budget < 1:
         raise ValueError(f"{where}: the sequence budget must be >= 1, got {budget}")
     if rule == "off":
         return ()
+    if rule.startswith("every:"):
+        step = rule.removeprefix("every:")
+        if not step.isdigit() or int(step) < 1:
+            raise ValueError(f"{where}: {rule!r} needs a positive integer step, e.g. 'every:64'")
+        k = int(step)
+        return tuple(range(k, -(-budget // k) * k + 1, k))
     if rule == "pow2":
         last = -(-budget // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         widths, w = [], MIN_POW2_WIDTH

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from cleaner_jax.trajectory import Episode
 
@@ -97,10 +96,3 @@ def render_episodes(episodes: Sequence[Episode], decode: Decode, *, title: str =
         )
     return f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title><style>{_CSS}</style>" \
            f"<h1>{html.escape(title)}</h1>{''.join(body)}"
-
-
-def write_episodes_html(path: str | Path, episodes: Sequence[Episode], decode: Decode, **kw) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_episodes(episodes, decode, **kw), encoding="utf-8")
-    return p
