@@ -7,7 +7,8 @@ Default mode, the run as a study runs it: `configs/toy_recoverable.py` (32 RL st
 evaluation before RL and every 8 steps) with its warm start and step-0 evaluation cached and its
 compile cache warm. One untimed run of each side builds the shared warm cache (the reference
 side fits it: the warm start's key holds no code, so both sides reuse the same weights and the
-same step-0 evaluation) and warms that side's own XLA cache; then the timed runs alternate
+same step-0 evaluation) and warms that side's own XLA cache (skipped where a `--work` of an earlier
+call holds it already: delete `<work>/cache/xla_this` after changing this checkout); then the timed runs alternate
 reference, this checkout, reference, ... each in a fresh workdir. `--readme`: README command 1's
 run instead (`configs/toy.py`, no cache: the warm start fitted and every program compiled in each
 run). Both sides run with this interpreter and environment; the reference side imports its own
@@ -83,7 +84,10 @@ def main() -> None:
           f"work in {work}", flush=True)
     if not args.readme:
         for name, root in sides.items():  # untimed: the shared warm cache (reference first) and each XLA cache
+            if caches[name].exists():  # warm from an earlier call with the same --work (delete it after a code change)
+                continue
             t0 = time.perf_counter()
+            shutil.rmtree(work / f"warmup_{name}", ignore_errors=True)  # a finished run there would only resume
             run_once(root, config, work / f"warmup_{name}", caches[name], work / f"warmup_{name}.log")
             print(f"  warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
