@@ -210,7 +210,7 @@ def op_profile(bc: BenchConfig, steps: int) -> dict[str, float]:
     ops: collections.Counter[str] = collections.Counter()
     for e in events:  # XLA:CPU's thunks; Python's frames ($...), the runtime's spans (A::B) and the call are not ops
         name = e.get("name", "")
-        if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "PjitFunction", "ParseArguments")) \
+        if e.get("ph") == "X" and "dur" in e and not name.startswith(("$", "PjitFunction", "ParseArguments", "np.")) \
                 and "::" not in name:
             ops[name] += e["dur"] / 1e6 / steps
     matmul = sum(v for k, v in ops.items() if k.startswith(("ynn", "dot")))
