@@ -89,20 +89,13 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t madds, const F& fn) {
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
-// One query token of one (batch row, KV head) of GQA attention: q [G, hd]; k, v [S, hd]; mask [S];
-// out [G, hd]. Same math as `models.layers.grouped_attention` (f32 scores, softmax, probs @ v)
-// with masked slots at zero weight, which lets slots after the last valid one be skipped. Each
-// key and value row is read once and applied to all G query heads. A query with no valid slot
-// at all gets XLA's answer, uniform weights over all S (its finite mask value): `uniform`, the
-// mean of v over every slot, computed by the caller once per (row, KV head).
-void AttendOneQuery(const float* q, const float* k, const float* v, const bool* mask, const float* uniform,
-                    float* out, int64_t G, int64_t hd, int64_t S, float scale, float* scores) {
-  int64_t end = S;
-  while (end > 0 && !mask[end - 1]) --end;
-  if (end == 0) {  // nothing to attend to: uniform weights over every slot, as XLA computes it
-    for (int64_t g = 0; g < G; ++g) std::copy(uniform, uniform + hd, out + g * hd);
-    return;
-  }
+// One query token of one (batch row, KV head) of GQA attention: q [G, hd]; k, v [S, hd]; mask [S]
+// with its last valid slot at end - 1 (end >= 1); out [G, hd]. Same math as
+// `models.layers.grouped_attention` (f32 scores, softmax, probs @ v) with masked slots at zero
+// weight, which lets slots from `end` on be skipped. Each key and value row is read once and
+// applied to all G query heads.
+void AttendOneQuery(const float* q, const float* k, const float* v, const bool* mask, int64_t end, float* out,
+                    int64_t G, int64_t hd, int64_t S, float scale, float* scores) {
   std::fill(out, out + G * hd, 0.f);
   for (int64_t s = 0; s < end; ++s) {  // scores [G, end], row-major by g
     const float* ks = k + s * hd;
@@ -165,15 +158,23 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const float* ki = kp + i * S * hd;
     const float* vi = vp + i * S * hd;
     std::vector<float> scores(G * S);
-    std::vector<float> uniform;  // the all-masked answer, computed at the first query that needs it
+    // A query with no valid slot at all gets XLA's answer, uniform weights over all S (its finite
+    // mask value): the mean of v over every slot, computed at the first query that needs it.
+    std::vector<float> uniform;
     for (int64_t t = 0; t < T; ++t) {
       const bool* mt = mp + (b * T + t) * S;
-      if (uniform.empty() && std::none_of(mt, mt + S, [](bool m) { return m; })) {
+      const int64_t row = ((b * T + t) * KV + h) * G * hd;  // q and out [B, T, KV, G, hd]
+      int64_t end = S;
+      while (end > 0 && !mt[end - 1]) --end;
+      if (end > 0) {
+        AttendOneQuery(qp + row, ki, vi, mt, end, op + row, G, hd, S, scale, scores.data());
+        continue;
+      }
+      if (uniform.empty()) {
         uniform.resize(hd);
         SlotMean(vi, S, hd, uniform.data());
       }
-      const int64_t row = ((b * T + t) * KV + h) * G * hd;  // q and out [B, T, KV, G, hd]
-      AttendOneQuery(qp + row, ki, vi, mt, uniform.data(), op + row, G, hd, S, scale, scores.data());
+      for (int64_t g = 0; g < G; ++g) std::copy(uniform.begin(), uniform.end(), op + row + g * hd);
     }
   });
   return ffi::Error::Success();
