@@ -158,14 +158,20 @@ def _torch_times(path: str, batch_file: str, steps: int) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def jax_step(bc: BenchConfig, tmp: str) -> tuple[str, dict[str, Any], Learner, Batch]:
+    """The config's checkpoint (written under `tmp`), its HF config, the JAX learner on it, and
+    the timed batch with its old log-probs: what the torch comparison and the op profile time."""
+    path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
+    hf = tiny_config("qwen3", **bc.overrides)
+    learner = Learner(params.from_pretrained(path, attention_block=bc.attention_block), LearnerConfig(
+        loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
+        micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
+    return str(path), hf, learner, learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+
+
 def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
-        hf = tiny_config("qwen3", **bc.overrides)
-        learner = Learner(params.from_pretrained(path, attention_block=bc.attention_block), LearnerConfig(
-            loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
-            micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
-        batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        path, hf, learner, batch = jax_step(bc, tmp)
         batch_file = os.path.join(tmp, "batch.npz")
         np.savez(batch_file, **{k: v for k, v in asdict(batch).items() if v is not None})
 
@@ -194,12 +200,7 @@ def op_profile(bc: BenchConfig, steps: int) -> dict[str, float]:
     import gzip
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(tmp, "qwen3", **bc.overrides)
-        hf = tiny_config("qwen3", **bc.overrides)
-        learner = Learner(params.from_pretrained(path, attention_block=bc.attention_block), LearnerConfig(
-            loss=LossConfig(), optimizer=OptimizerConfig(learning_rate=1e-5, warmup_steps=0),
-            micro_batch_size=bc.batch, logprob_micro_batch_size=bc.batch, logprob_chunk_size=min(1024, bc.seq)))
-        batch = learner.add_old_logprobs(make_batch(bc.batch, bc.seq, hf["vocab_size"]))
+        _, _, learner, batch = jax_step(bc, tmp)
         learner.train_step(batch)  # compile
         jax.profiler.start_trace(os.path.join(tmp, "trace"))
         for _ in range(steps):
