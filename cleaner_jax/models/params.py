@@ -2,8 +2,9 @@
 `from_pretrained` and `save_pretrained` live here, not beside the module in `qwen.py`, so the
 imports run one way (this module builds a `Qwen`; the model knows nothing of files).
 
-`param_table(config)` is the single source of truth: every HF tensor name with its NNX path
-and whether it is transposed (HF Linear weights are `[out, in]`, NNX kernels `[in, out]`).
+`param_table(config)` (in `hf_layout.py`, with the rest of the directory layout: file names,
+index, shard plan, tokenizer files) is the single source of truth: every HF tensor name with its
+NNX path and whether it is transposed (HF Linear weights are `[out, in]`, NNX kernels `[in, out]`).
 Loading builds each array with `jax.make_array_from_callback`, reading from the file only the
 slice a device owns (safetensors `get_slice`), so with a mesh no device - and no host buffer -
 ever holds a full copy of a tensor it does not own.
@@ -21,11 +22,9 @@ process alone, with no collective, while the others wait elsewhere.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,80 +41,19 @@ from safetensors.numpy import save_file
 from cleaner_jax.models import sharding
 from cleaner_jax.models.atomic_dir import commit_dir, fsync, partial_dir
 from cleaner_jax.models.config import QwenConfig
+from cleaner_jax.models.hf_layout import (
+    DEFAULT_SHARD_BYTES, INDEX, SAFETENSORS, TOKENIZER_FILES, ParamEntry, copy_tokenizer, hf_index, hf_shape,
+    ignorable, param_table, plan_shards, read_config, shard_names, weight_files,
+)
 from cleaner_jax.models.qwen import Qwen
 
-SAFETENSORS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-# Files copied by save_pretrained(tokenizer_from=...): tokenizer, chat template, generation defaults.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
-)
+# The layout names of `hf_layout` stay importable from here, where callers have always found them.
+__all__ = [
+    "DEFAULT_SHARD_BYTES", "INDEX", "SAFETENSORS", "TOKENIZER_FILES", "ExportFailedError", "NonFiniteWeightsError",
+    "ParamEntry", "from_pretrained", "hf_index", "param_table", "plan_shards", "read_config", "save_pretrained",
+    "shard_names", "weight_files",
+]
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamEntry:
-    hf_name: str
-    path: tuple[str | int, ...]  # NNX state path
-    transpose: bool  # HF [out, in] <-> NNX [in, out]
-    layer: int | None = None  # scanned layers: the HF tensor is `array[layer]` of the stacked [L, ...] array at `path`
-
-
-def param_table(cfg: QwenConfig) -> list[ParamEntry]:
-    """Every parameter of `Qwen(cfg)`, in HF order. With `cfg.scan_layers` the L entries of one
-    layer parameter share the stacked array's path (('layers', 'mlp', 'up_proj', 'kernel'), no
-    layer index) and differ in `layer`; unrolled, the index is in the path (('layers', 3, ...))."""
-    table = [ParamEntry("model.embed_tokens.weight", ("embed_tokens", "embedding"), False)]
-    for i in range(cfg.num_hidden_layers):
-        hf = f"model.layers.{i}."
-        nx, layer = (("layers",), i) if cfg.scan_layers else (("layers", i), None)
-        table += [
-            ParamEntry(hf + "input_layernorm.weight", nx + ("input_layernorm", "weight"), False, layer),
-            ParamEntry(hf + "post_attention_layernorm.weight", nx + ("post_attention_layernorm", "weight"), False, layer),
-        ]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            table.append(ParamEntry(f"{hf}self_attn.{proj}.weight", nx + ("self_attn", proj, "kernel"), True, layer))
-            bias = cfg.o_proj_bias if proj == "o_proj" else cfg.attention_bias
-            if bias:
-                table.append(ParamEntry(f"{hf}self_attn.{proj}.bias", nx + ("self_attn", proj, "bias"), False, layer))
-        if cfg.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                table.append(ParamEntry(f"{hf}self_attn.{norm}.weight", nx + ("self_attn", norm, "weight"), False, layer))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            table.append(ParamEntry(f"{hf}mlp.{proj}.weight", nx + ("mlp", proj, "kernel"), True, layer))
-    table.append(ParamEntry("model.norm.weight", ("norm", "weight"), False))
-    if not cfg.tie_word_embeddings:
-        table.append(ParamEntry("lm_head.weight", ("lm_head", "kernel"), True))
-    return table
-
-
-def _ignorable(name: str, cfg: QwenConfig) -> bool:
-    """Tensors some real checkpoints carry that HF itself ignores."""
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: {path} is not a Hugging Face model directory")
-    return json.loads(config_path.read_text())
-
-
-def weight_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (single file or index-sharded)."""
-    index_path, single = path / INDEX, path / SAFETENSORS
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        files = {name: path / fname for name, fname in weight_map.items()}
-        for f in sorted(set(files.values())):
-            if not f.is_file():
-                raise FileNotFoundError(f"{f} is listed in {index_path} but does not exist")
-        return files
-    if single.is_file():
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
-    raise FileNotFoundError(f"no {SAFETENSORS} or {INDEX} in {path}")
 
 
 @contextlib.contextmanager
@@ -155,7 +93,7 @@ def from_pretrained(
 
     files = weight_files(path)
     wanted = {e.hf_name for e in table}
-    unexpected = sorted(n for n in files if n not in wanted and not _ignorable(n, cfg))
+    unexpected = sorted(n for n in files if n not in wanted and not ignorable(n, cfg))
     if unexpected:
         raise ValueError(f"{path}: checkpoint has tensors this {cfg.model_type} config does not use: {unexpected[:8]}")
     missing = sorted(n for n in wanted if n not in files)
@@ -237,31 +175,6 @@ class ExportFailedError(RuntimeError):
     """Another process of a multi-process export failed, so nobody committed the directory."""
 
 
-DEFAULT_SHARD_BYTES = 5 * 10**9  # HF's "5GB" (decimal, as `max_shard_size` parses it)
-
-
-def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
-    """HF's split (huggingface_hub `split_state_dict_into_shards_factory`): tensors in order, a new
-    file when the next would push the current one past `max_shard_bytes`; a tensor bigger than
-    that gets a file of its own."""
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes} (train.weight_export_shard_mb)")
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in sizes:
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups
-
-
-def shard_names(n: int) -> list[str]:
-    """HF's file names: one `model.safetensors`, or `model-0000k-of-0000n.safetensors` + the index."""
-    return [SAFETENSORS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-
-
 def save_pretrained(
     model: Qwen, out_dir: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: str | None = None, timings: dict[str, float] | None = None,
@@ -303,7 +216,7 @@ def save_pretrained(
     table = param_table(cfg)
     _check_table_matches_model(table, state)
     entries = {e.hf_name: e for e in table}
-    shapes = {e.hf_name: _hf_shape(_get_nested(state, e.path).shape, e) for e in table}
+    shapes = {e.hf_name: hf_shape(_get_nested(state, e.path).shape, e) for e in table}
     groups = plan_shards([(n, int(np.prod(s)) * itemsize) for n, s in shapes.items()], max_shard_bytes)
     names = shard_names(len(groups))
     final_dir, out_dir = out_dir, _partial_dir_everywhere(out_dir, collective)
@@ -337,7 +250,7 @@ def save_pretrained(
             hf_config["torch_dtype"] = hf_config["dtype"] = export_dtype  # what the tensors are stored in
             (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
             if tokenizer_from is not None:
-                _copy_tokenizer(Path(tokenizer_from), out_dir)
+                copy_tokenizer(Path(tokenizer_from), out_dir)
         except Exception as exc:  # re-raised below, on every process
             error = exc
     t_write += time.perf_counter() - t0
@@ -352,19 +265,6 @@ def save_pretrained(
             error = exc
     _agree(error, f"renaming {out_dir} to {final_dir}", collective)
     return final_dir
-
-
-def hf_index(groups: list[list[str]], names: list[str], shapes: dict[str, tuple[int, ...]], itemsize: int) -> str:
-    """`model.safetensors.index.json` as transformers writes it (sorted keys, indent 2, newline)."""
-    weight_map = {n: fname for fname, group in zip(names, groups) for n in group}
-    numel = sum(int(np.prod(shapes[n])) for n in weight_map)
-    index = {"metadata": {"total_parameters": numel, "total_size": numel * itemsize}, "weight_map": weight_map}
-    return json.dumps(index, indent=2, sort_keys=True) + "\n"
-
-
-def _hf_shape(shape: tuple[int, ...], e: ParamEntry) -> tuple[int, ...]:
-    one = shape[1:] if e.layer is not None else shape
-    return tuple(one[::-1]) if e.transpose else tuple(one)
 
 
 def _gather_tensor(state: nnx.State, e: ParamEntry, dtype: str, *, to_host: bool) -> np.ndarray | None:
@@ -465,12 +365,3 @@ def _check_finite(model: Qwen, collective: bool) -> None:
             f"{len(bad)} parameter(s) hold NaN or Inf, first {bad[:4]}: not exported, since every server would "
             "serve them (as null log-probs). The learner's update produced them: lower optim.lr or tighten "
             "optim.grad_clip, and resume from the last checkpoint")
-
-
-def _copy_tokenizer(src: Path, out_dir: Path) -> None:
-    present = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    if "tokenizer_config.json" not in present:
-        raise FileNotFoundError(f"tokenizer_from={src} has no tokenizer_config.json; pass a HF model/tokenizer directory")
-    for name in present:
-        if (src / name).resolve() != (out_dir / name).resolve():
-            shutil.copyfile(src / name, out_dir / name)

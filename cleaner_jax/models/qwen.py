@@ -11,6 +11,10 @@ Every projection, the LM head and attention run through an `ops` argument (`mode
 plain XLA einsums by default; the rollout engine passes its decode backend there. The model
 itself has one code path for every device.
 
+One forward builds its `AttentionInputs` once (rotary tables, mask or lengths, cache slots, ops)
+and hands that record to every layer, with the layer's own `LayerKV` view of the cache when
+there is one; a layer returns its updated view, and the views become the new `KVCache`.
+
 Full-sequence attention (no cache: the learner, prefill) runs the kernel `config.attention_impl`
 names: "xla" masks [B, T, T]; the others (cuDNN flash on GPU, splash on TPU) are causal with
 per-row lengths of the right-padded `attention_mask` and never build a mask. The KV-cache path
@@ -25,7 +29,8 @@ Tokenizer and chat template: load them from the same directory with
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -36,7 +41,7 @@ from cleaner_jax.models import layers
 from cleaner_jax.models.config import QwenConfig
 from cleaner_jax.models.ops import XLA, Ops
 
-__all__ = ["KVCache", "init_cache", "Qwen", "logits_from_hidden"]
+__all__ = ["AttentionInputs", "KVCache", "LayerKV", "init_cache", "Qwen", "logits_from_hidden"]
 
 _INIT = nnx.initializers.normal(0.02)
 _REMAT_POLICIES = {
@@ -70,6 +75,67 @@ def init_cache(config: QwenConfig, batch: int, max_len: int, dtype: Any = None) 
     k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
     v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
     return KVCache(k, v, jnp.zeros((batch,), jnp.int32))
+
+
+class LayerKV(NamedTuple):
+    """One decoder layer's view of a `KVCache`: the layer writes its new tokens' keys and values
+    into it and hands back the updated pair, which becomes that layer's entry of the new cache.
+    Kept apart from `AttentionInputs` because it is the one per-layer, updated value of a forward."""
+
+    k: jax.Array  # [B, KV, S, hd]
+    v: jax.Array  # [B, KV, S, hd]
+
+
+@flax.struct.dataclass
+class AttentionInputs:
+    """What every decoder layer's attention needs besides its input activations, the same for all
+    layers of one forward: built once by `attention_inputs` in `Qwen.hidden_states` and passed down
+    unchanged. A pytree (arrays as leaves, `shape` and `ops` static) because it crosses the
+    `jax.checkpoint` of a remat policy as an argument and is closed over by the layer scan.
+
+    Which optional fields are set says which attention path runs: `mask` alone (full sequence,
+    attention_impl "xla"), `lengths` or neither (full sequence, a causal kernel; None lengths =
+    every row full), `mask` and `slots` (the KV-cache path, always XLA attention).
+    """
+
+    cos: jax.Array  # [B, T, hd] rotary tables of the T new tokens, in the compute dtype
+    sin: jax.Array  # [B, T, hd]
+    mask: jax.Array | None  # [B, T, S] bool (S = T without a cache): attention_impl "xla" or a cache, else None
+    lengths: jax.Array | None  # [B] int32 real tokens per right-padded row: the causal kernels, else None
+    slots: jax.Array | None  # [B, T] int32 cache slots of the new tokens: the KV-cache path, else None
+    shape: tuple[int, int] = flax.struct.field(pytree_node=False)  # (B, T)
+    ops: Ops = flax.struct.field(pytree_node=False)  # runs projections and attention (`models/ops.py`)
+
+
+def attention_inputs(
+    cfg: QwenConfig,
+    positions: jax.Array | None,  # [B, T] or None: 0..T-1 without a cache, the cache slots with one
+    attention_mask: jax.Array | None,  # [B, T] 1 = real token, 0 = pad
+    cache: KVCache | None,
+    ops: Ops,
+    shape: tuple[int, int],  # (B, T)
+    dtype: jnp.dtype,  # the activations' (compute) dtype: cos/sin are cast to it, as HF does
+) -> AttentionInputs:
+    """The `AttentionInputs` of one forward: rotary tables, and the mask, lengths or cache slots
+    the attention path of `cfg.attention_impl` (and of a cache) needs."""
+    b, t = shape
+    mask = lengths = slots = None
+    if cache is None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cfg.attention_impl == "xla":
+            mask = layers.causal_mask(attention_mask, b, t)  # [B, T, T]
+        elif attention_mask is not None:
+            if not isinstance(attention_mask, jax.core.Tracer):  # checkable only outside tracing
+                layers.check_right_padded(attention_mask, cfg.attention_impl)
+            lengths = layers.right_padded_lengths(attention_mask)  # [B]
+    else:
+        slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+        if positions is None:
+            positions = slots
+        mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)  # [B, T, S]
+    cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)  # [B, T, hd] each
+    return AttentionInputs(cos=cos, sin=sin, mask=mask, lengths=lengths, slots=slots, shape=(b, t), ops=ops)
 
 
 def logits_from_hidden(h: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -113,27 +179,20 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, cfg.param_dtype)
 
     def __call__(
-        self,
-        x: jax.Array,  # [B*T, H]
-        shape: tuple[int, int],  # (B, T)
-        cos: jax.Array,  # [B, T, hd]
-        sin: jax.Array,
-        mask: jax.Array | None,  # [B, T, S] bool (attention_impl "xla" or a cache), else None
-        lengths: jax.Array | None,  # [B] int32 real tokens per right-padded row (the other impls)
-        kv: tuple[jax.Array, jax.Array] | None,  # this layer's cache: k, v [B, KV, S, hd]
-        slots: jax.Array | None,  # [B, T] cache slots of the new tokens
-        ops: Ops,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        cfg = self.cfg
-        b, t = shape
+        self, x: jax.Array, inputs: AttentionInputs, kv: LayerKV | None
+    ) -> tuple[jax.Array, LayerKV | None]:
+        """x [B*T, H] (normed) -> (attention output [B*T, H], this layer's updated cache view, or
+        None without a cache)."""
+        cfg, ops = self.cfg, inputs.ops
+        b, t = inputs.shape
         q = self.q_proj(x, ops).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)  # [B, T, N, hd]
         k = self.k_proj(x, ops).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)  # [B, T, KV, hd]
         v = self.v_proj(x, ops).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        q, k = layers.apply_rope(q, inputs.cos, inputs.sin), layers.apply_rope(k, inputs.cos, inputs.sin)
         if kv is None and cfg.attention_impl != "xla":  # causal + lengths: no [B, T, T] mask or bias
-            out = ops.causal_attention(q, k, v, lengths, cfg.attention_impl)  # [B, T, N, hd]
+            out = ops.causal_attention(q, k, v, inputs.lengths, cfg.attention_impl)  # [B, T, N, hd]
             return self.o_proj(out.reshape(b * t, -1), ops), None
         if kv is None:
             keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KV, T, hd]
@@ -142,15 +201,16 @@ class Attention(nnx.Module):
             # Index arrays split by a slice put their [B, T] axes first, so the update is laid
             # out [B, T, KV, hd] like k and v. Out-of-range slots (past max_len) are dropped:
             # size the cache for prompt + new tokens.
-            kv = tuple(c.at[rows, :, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
-            keys, values = kv[0].astype(x.dtype), kv[1].astype(x.dtype)  # [B, KV, S, hd]
+            kv = LayerKV(*(c.at[rows, :, inputs.slots].set(new.astype(c.dtype), mode="drop")
+                           for c, new in zip(kv, (k, v))))
+            keys, values = kv.k.astype(x.dtype), kv.v.astype(x.dtype)  # [B, KV, S, hd]
         # The cache (decode) path keeps XLA attention whatever attention_impl says: its mask is
         # not a causal-plus-length pattern (a row's new tokens sit after its cached prefix).
         if kv is None and 0 < cfg.attention_block < t:  # full sequence, causal: skip the upper triangle
-            out = layers.causal_query_blocks(q, keys, values, mask, cfg.attention_block,
+            out = layers.causal_query_blocks(q, keys, values, inputs.mask, cfg.attention_block,
                                              lambda *a: ops.attention(*a, "xla"))  # [B, T, N, hd]
         else:
-            out = ops.attention(q, keys, values, mask, "xla")  # [B, T, N, hd]
+            out = ops.attention(q, keys, values, inputs.mask, "xla")  # [B, T, N, hd]
         return self.o_proj(out.reshape(b * t, -1), ops), kv
 
 
@@ -171,12 +231,19 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, shape, cos, sin, mask, lengths, kv, slots, ops: Ops):
+    def __call__(
+        self, x: jax.Array, inputs: AttentionInputs, kv: LayerKV | None
+    ) -> tuple[jax.Array, LayerKV | None]:
         """x: the residual stream as [B*T, H] (2-D activations keep the backward's weight
-        gradients plain [H, B*T] x [B*T, F] matmuls)."""
-        attn, kv = self.self_attn(self.input_layernorm(x), shape, cos, sin, mask, lengths, kv, slots, ops)
+        gradients plain [H, B*T] x [B*T, F] matmuls) -> (the stream after this layer [B*T, H],
+        this layer's updated cache view or None)."""
+        attn, kv = self.self_attn(self.input_layernorm(x), inputs, kv)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), ops), kv
+        return x + self.mlp(self.post_attention_layernorm(x), inputs.ops), kv
+
+
+# How `Qwen` runs one layer: (layer, x [B*T, H], inputs, kv) -> (x [B*T, H], kv), with or without remat.
+LayerFn = Callable[[DecoderLayer, jax.Array, AttentionInputs, LayerKV | None], tuple[jax.Array, LayerKV | None]]
 
 
 class Qwen(nnx.Module):
@@ -243,34 +310,19 @@ class Qwen(nnx.Module):
 
     def hidden_states(
         self,
-        input_ids: jax.Array,
-        positions: jax.Array | None = None,
+        input_ids: jax.Array,  # [B, T] int32
+        positions: jax.Array | None = None,  # [B, T]
         *,
-        attention_mask: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,  # [B, T] 1 = real token, 0 = pad
         cache: KVCache | None = None,
         ops: Ops = XLA,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Like `__call__` but returns final-normed hidden states [B, T, H] in the compute dtype."""
         cfg = self.config
         b, t = input_ids.shape
-        mask = lengths = slots = None
-        if cache is None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            if cfg.attention_impl == "xla":
-                mask = layers.causal_mask(attention_mask, b, t)  # [B, T, T]
-            elif attention_mask is not None:
-                if not isinstance(attention_mask, jax.core.Tracer):  # checkable only outside tracing
-                    layers.check_right_padded(attention_mask, cfg.attention_impl)
-                lengths = layers.right_padded_lengths(attention_mask)  # [B]
-        else:
-            slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-            if positions is None:
-                positions = slots
-            mask = layers.cached_mask(cache.lengths, attention_mask, t, cache.max_len)  # [B, T, S]
         x = self.embed_tokens(input_ids).reshape(b * t, cfg.hidden_size)  # [B*T, H]
-        cos, sin = layers.rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        run = self._layer_fn((b, t), ops)
+        inputs = attention_inputs(cfg, positions, attention_mask, cache, ops, (b, t), x.dtype)
+        run = self._layer_fn()
         new_k, new_v = [], []
         if cfg.scan_layers and cache is None:
             # a plain lax.scan over the stacked state (not nnx.scan): NNX transforms refuse modules
@@ -278,16 +330,16 @@ class Qwen(nnx.Module):
             graphdef, stacked = nnx.split(self.layers)  # leaves [L, ...]
 
             def through_layer(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-                return run(nnx.merge(graphdef, state), x, cos, sin, mask, lengths, None, None)[0], None
+                return run(nnx.merge(graphdef, state), x, inputs, None)[0], None
 
             x, _ = jax.lax.scan(through_layer, x, stacked)
         else:
             for i, layer in enumerate(self._unrolled_layers()):
-                kv = None if cache is None else (cache.k[i], cache.v[i])
-                x, kv = run(layer, x, cos, sin, mask, lengths, kv, slots)
+                kv = None if cache is None else LayerKV(cache.k[i], cache.v[i])
+                x, kv = run(layer, x, inputs, kv)
                 if kv is not None:
-                    new_k.append(kv[0])
-                    new_v.append(kv[1])
+                    new_k.append(kv.k)
+                    new_v.append(kv.v)
         h = self.norm(x).reshape(b, t, cfg.hidden_size)
         if cache is None:
             return h
@@ -303,9 +355,12 @@ class Qwen(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(self.config.num_hidden_layers)]
 
-    def _layer_fn(self, shape: tuple[int, int], ops: Ops):
-        def run(layer: DecoderLayer, x, cos, sin, mask, lengths, kv, slots):
-            return layer(x, shape, cos, sin, mask, lengths, kv, slots, ops)
+    def _layer_fn(self) -> LayerFn:
+        """How this model runs one decoder layer: a plain call, or under `config.remat`'s policy."""
+
+        def run(layer: DecoderLayer, x: jax.Array, inputs: AttentionInputs,
+                kv: LayerKV | None) -> tuple[jax.Array, LayerKV | None]:
+            return layer(x, inputs, kv)
 
         if self.config.remat == "none":
             return run
@@ -317,13 +372,15 @@ class Qwen(nnx.Module):
         # module's variables back after the call, which fails ("Cannot mutate Param from a different
         # trace level") when the layer was merged inside a pure JAX transform such as the
         # learner's lax.map over log-prob micro-batches. A decoder layer mutates nothing.
-        def remat_run(layer: DecoderLayer, x, cos, sin, mask, lengths, kv, slots):
+        # `inputs` and `kv` cross the checkpoint as pytrees (their arrays become its arguments).
+        def remat_run(layer: DecoderLayer, x: jax.Array, inputs: AttentionInputs,
+                      kv: LayerKV | None) -> tuple[jax.Array, LayerKV | None]:
             graphdef, state = nnx.split(layer)
 
-            def pure(state, x, cos, sin, mask, lengths, kv, slots):
-                return run(nnx.merge(graphdef, state), x, cos, sin, mask, lengths, kv, slots)
+            def pure(state: nnx.State, x: jax.Array, inputs: AttentionInputs,
+                     kv: LayerKV | None) -> tuple[jax.Array, LayerKV | None]:
+                return run(nnx.merge(graphdef, state), x, inputs, kv)
 
-            return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, cos, sin, mask, lengths,
-                                                                                kv, slots)
+            return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, inputs, kv)
 
         return remat_run
