@@ -29,7 +29,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from cleaner_jax import distributed
-from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, validate
+from cleaner_jax.config import ConfigError, RunConfig, check_environment, check_override_keys, validate
 from cleaner_jax.data.problems import DataError
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.runner import run_evaluation
@@ -96,6 +96,7 @@ def main(argv: list[str]) -> None:
     workdir = Path(f.workdir).resolve()
     try:
         c = validate(f.config)  # the one validation: everything below takes the typed RunConfig
+        check_environment(c)  # the files, directories and packages it names, before anything is built
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     print(f"evaluating (log: {log_to_file(workdir / 'evaluate.log')})", flush=True)

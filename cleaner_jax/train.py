@@ -36,7 +36,8 @@ from ml_collections import config_flags
 
 from cleaner_jax import distributed
 from cleaner_jax.agent.collect import LostEpisodesError
-from cleaner_jax.config import ConfigError, RunConfig, check_override_keys, check_processes, validate
+from cleaner_jax.config import (ConfigError, RunConfig, check_environment, check_override_keys, check_processes,
+                                validate)
 from cleaner_jax.data.problems import DataError
 from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.models import params, sharding
@@ -200,6 +201,7 @@ def main(argv: list[str]) -> None:
     config = flags.FLAGS.config  # the ml-collections config: read here only, to validate it and to save it
     try:
         r = validate(config)  # the one validation: everything below takes the typed RunConfig
+        check_environment(r)  # the files, directories and packages it names, before anything is built
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     workdir = Path(flags.FLAGS.workdir).resolve()

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from cleaner_jax import schema, wiring
 from cleaner_jax.agent.config import AgentConfig
-from cleaner_jax.config import SECTIONS, ConfigError, RunConfig, base_config, validate
+from cleaner_jax.config import SECTIONS, ConfigError, RunConfig, base_config, check_environment, validate
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.saar.config import SaarConfig
 from _configs import load_config
@@ -39,6 +39,14 @@ def rejects(c, pattern: str) -> str:
     return str(err.value)
 
 
+def rejects_here(c, pattern: str) -> str:
+    """A valid config that this machine cannot run: what train.main and evaluate.main say."""
+    run = validate(c)
+    with pytest.raises(ConfigError, match=pattern) as err:
+        check_environment(run)
+    return str(err.value)
+
+
 # ----------------------------------------------------------------------------- every config file
 
 
@@ -52,6 +60,7 @@ def test_every_config_file_validates(name, tmp_path):
         Path(c.data.train).touch()
     run = validate(c)
     assert isinstance(run, RunConfig) and run.agent.saar is run.saar
+    check_environment(run)
 
 
 def test_the_config_files_are_all_found():
@@ -261,10 +270,6 @@ def _set(c, **values):
 @pytest.mark.parametrize("values,pattern", [
     (dict(model__tiny_init=False), r"config\.model\.path: no checkpoint given"),
     (dict(model__path="/tmp"), r"config\.model\.path: '/tmp' is set together with model\.tiny_init=True"),
-    (dict(model__tiny_init=False, model__path="/nonexistent/model"), r"config\.model\.path: '/nonexistent/model' "
-                                                                     r"is not a directory"),
-    (dict(data__train="/nonexistent/train.parquet"), r"config\.data\.train: training data '/nonexistent/train\.parquet' "
-                                                     r"not found"),
     (dict(data__train_limit=10), r"config\.data\.train_limit: the toy task is generated without end"),
     (dict(data__eval="toy,aime23"), r"config\.data\.eval: unknown benchmark 'aime23'; use 'toy' or one of aime24, "),
     (dict(data__eval_limit=None), r"config\.data\.eval_limit: the toy benchmark is generated: give its size"),
@@ -306,6 +311,60 @@ def _set(c, **values):
 ])
 def test_contradictions_are_rejected_naming_the_key(values, pattern):
     rejects(_set(toy(), **values), pattern)
+
+
+@pytest.mark.parametrize("values,pattern", [
+    (dict(model__tiny_init=False, model__path="/nonexistent/model"), r"config\.model\.path: '/nonexistent/model' "
+                                                                     r"is not a directory"),
+    (dict(data__train="/nonexistent/train.parquet", warmup_sft__steps=0),
+     r"config\.data\.train: training data '/nonexistent/train\.parquet' not found"),
+    (dict(data__train="/nonexistent/train.filtered_sr.parquet", warmup_sft__steps=0),
+     r"config\.data\.train: the difficulty-filtered training set '/nonexistent/train\.filtered_sr\.parquet' does not "
+     r"exist yet: make it .*`python -m cleaner_jax\.data\.filter"),
+    (dict(data__eval="gpqa_diamond=/nonexistent/g.parquet"),
+     r"config\.data\.eval: gpqa_diamond=/nonexistent/g\.parquet: file not found"),
+    (dict(train__weight_export_dir="/nonexistent/shm"), r"config\.train\.weight_export_dir: '/nonexistent/shm' is not "
+                                                        r"an existing directory"),
+])
+def test_what_the_machine_lacks_passes_validate_and_stops_the_start_up_check(values, pattern):
+    rejects_here(_set(toy(), **values), pattern)
+
+
+def test_validate_reads_nothing_from_the_machine(tmp_path, monkeypatch):
+    """validate() is config in, RunConfig out: a config naming files that are not there, a model
+    directory with a config.json whose heads break the attention bound, and a package that is not
+    installed validates with every file-system and package probe refused; check_environment then
+    names the first key this machine cannot run."""
+    import builtins
+    import importlib
+    import os
+
+    from cleaner_jax.rl import metrics_writer
+
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 4096}')  # 4096 heads: far over the bound
+    c = _set(toy(), model__tiny_init=False, model__path=str(tmp_path), model__attention_impl="xla",
+             data__train=str(tmp_path / "missing.parquet"), warmup_sft__steps=0,
+             data__eval=f"toy,gpqa_diamond={tmp_path / 'missing.jsonl'}", train__weight_export_dir="/nonexistent/shm",
+             train__compilation_cache_dir=str(tmp_path / "config.json"), train__loggers="tensorboard,wandb")
+
+    def refuse(name: str):
+        def probe(*args, **kwargs):
+            raise AssertionError(f"validate() called {name}{args}")
+        return probe
+
+    with monkeypatch.context() as m:
+        for where, module, name in [("os.path", os.path, "isdir"), ("os.path", os.path, "isfile"),
+                                    ("os.path", os.path, "exists"), ("os", os, "stat"), ("builtins", builtins, "open"),
+                                    ("importlib.util", importlib.util, "find_spec"), ("Path", Path, "is_file"),
+                                    ("Path", Path, "exists"), ("Path", Path, "is_dir"),
+                                    ("metrics_writer", metrics_writer, "wandb_installed")]:
+            m.setattr(module, name, refuse(f"{where}.{name}"))
+        run = validate(c)
+    assert run.model.path == str(tmp_path)
+    with pytest.raises(ConfigError, match=r"config\.model\.attention_impl: 'xla' materialises .* x 4096 heads"):
+        check_environment(run)
+    c.model.attention_impl = "cudnn"
+    rejects_here(c, r"config\.data\.train: training data .*missing\.parquet' not found")
 
 
 def test_a_router_in_front_of_the_workers_validates_with_colocation_and_rollout_rescoring():
@@ -520,28 +579,42 @@ def test_materialised_attention_scores_are_bounded(tmp_path):
     at = lambda t, **kw: _fleet(tmp_path, algo__micro_batch_size=1, agent__max_prompt_tokens=512,  # noqa: E731
                                 agent__max_response_tokens=t - 512, **kw)
     assert 32 * 8192**2 * 4 == 8 * 2**30
-    validate(at(8192))
-    msg = rejects(at(8193), r"config\.model\.attention_impl: 'xla' materialises f32 attention scores per layer: "
+    check_environment(validate(at(8192)))
+    msg = rejects_here(at(8193), r"config\.model\.attention_impl: 'xla' materialises f32 attention scores per layer: "
                             r"1 row\(s\) per device x 32 heads / mesh\.tp=1 x T\^2 with T = agent\.max_prompt_tokens "
                             r"\+ agent\.max_response_tokens = 8193 is 8\.0 GiB, above the 8 GiB bound")
     assert "cudnn" in msg and "splash" in msg
-    rejects(at(8193, model__attention_impl="xla_causal"), r"config\.model\.attention_impl: 'xla_causal'")
-    validate(at(23040, model__attention_impl="cudnn"))  # a flash kernel: no scores, no bound
+    rejects_here(at(8193, model__attention_impl="xla_causal"), r"config\.model\.attention_impl: 'xla_causal'")
+    check_environment(validate(at(23040, model__attention_impl="cudnn")))  # a flash kernel: no scores, no bound
     rejects(at(1024, model__attention_impl="cudnn", model__attention_block=32),  # blocks only the masked impl
             r"config\.model\.attention_block: 32 blocks the masked attention .* set model\.attention_block=0")
-    validate(at(23040, mesh__tp=8))  # tp=8: 4 heads per device, 7.9 GiB
+    check_environment(validate(at(23040, mesh__tp=8)))  # tp=8: 4 heads per device, 7.9 GiB
     # the paper's budget (23,040 tokens), 4 rows per micro-batch over fsdp=4: one row, 63.3 GiB
     paper = _fleet(tmp_path, algo__micro_batch_size=4, mesh__fsdp=4, agent__max_prompt_tokens=2560,
                    agent__max_response_tokens=20480)
     want = 1 * 32 * 23040**2 * 4 / 2**30
-    rejects(paper, rf"per device x 32 heads .* = 23040 is {want:.1f} GiB")
+    rejects_here(paper, rf"per device x 32 heads .* = 23040 is {want:.1f} GiB")
+    # validate() alone counts one head, a lower bound: 4 rows of one head at 23,040 tokens (7.9 GiB) pass,
+    # 8 rows (15.8 GiB) are over the bound whatever config.json says
+    validate(_fleet(tmp_path, algo__micro_batch_size=4, mesh__fsdp=1, agent__max_prompt_tokens=2560,
+                    agent__max_response_tokens=20480))
+    rejects(_fleet(tmp_path, algo__micro_batch_size=8, mesh__fsdp=1, agent__max_prompt_tokens=2560,
+                   agent__max_response_tokens=20480),
+            r"8 row\(s\) per device x 1 head \(a lower bound until the start-up check reads model\.path's "
+            r"config\.json\)")
 
 
 def test_attention_bound_without_a_config_json_counts_one_head(tmp_path):
     budget = dict(agent__max_prompt_tokens=2560, agent__max_response_tokens=20480)
-    validate(_fleet(tmp_path, heads=None, algo__micro_batch_size=4, **budget))  # 4 * 23040^2 * 4 B = 7.9 GiB
+    check_environment(validate(_fleet(tmp_path, heads=None, algo__micro_batch_size=4, **budget)))  # 7.9 GiB
     rejects(_fleet(tmp_path, heads=None, algo__micro_batch_size=8, **budget),
-            r"8 row\(s\) per device x 1 head \(model\.path has no config\.json yet: at least 1\)")
+            r"8 row\(s\) per device x 1 head \(a lower bound until the start-up check reads")
+    # where the device count is known (mesh.fsdp=-1), a directory without config.json still counts one head
+    from cleaner_jax.config import check_mesh
+
+    with pytest.raises(ConfigError, match=r"8 row\(s\) per device x 1 head \(model\.path has no config\.json yet: "
+                                          r"at least 1\)"):
+        check_mesh(validate(_fleet(tmp_path, heads=None, algo__micro_batch_size=8, mesh__fsdp=-1, **budget)), 1)
 
 
 def test_sandbox_warning_above_the_authors_episodes_per_worker(tmp_path):
@@ -572,13 +645,14 @@ def test_paper_configs_pass_the_fleet_checks_with_a_real_head_count(name, tmp_pa
     c.model.path = str(tmp_path)
     c.data.train = str(tmp_path / "train.parquet")
     Path(c.data.train).touch()
-    validate(c)  # flash attention: no score bound; micro-batch 4 over fsdp=-1 checked at make_mesh
+    check_environment(validate(c))  # flash attention: no score bound; micro-batch 4 over fsdp=-1 checked at make_mesh
     c.model.attention_impl = "xla"
-    rejects(c, r"config\.model\.attention_impl: 'xla' materialises .* = 23040 is 63\.3 GiB")  # 32 * 23040^2 * 4 B
+    rejects_here(c, r"config\.model\.attention_impl: 'xla' materialises .* = 23040 is 63\.3 GiB")  # 32 * 23040^2 * 4 B
 
 
 def test_an_unreadable_model_config_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    rejects(_fleet(tmp_path, heads=None), r"config\.model\.path: cannot read .*config\.json")
+    rejects_here(_fleet(tmp_path, heads=None), r"config\.model\.path: cannot read .*config\.json")
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
-    rejects(_fleet(tmp_path, heads=None), r"config\.model\.path: .*config\.json has no integer num_attention_heads")
+    rejects_here(_fleet(tmp_path, heads=None),
+                 r"config\.model\.path: .*config\.json has no integer num_attention_heads")

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cleaner_jax import wiring
-from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.config import ConfigError, check_environment, validate
 from cleaner_jax.data.benchmarks import parse_eval_spec
 from cleaner_jax.data.problems import BENCHMARKS, DATA_DIR, DataError, load_benchmark
 from cleaner_jax.rewards.scorer import Scorer
@@ -71,13 +71,14 @@ def test_user_files_load_for_train_and_evaluate(user_files):
     ("livecodebench={gpqa_csv}", r"config\.data\.eval: livecodebench=.*unsupported file type"),
 ])
 def test_bad_eval_entries_are_rejected_naming_the_key(user_files, tmp_path, entry, pattern):
+    """By validate() or, for what the user file on disk must be, by the start-up check after it."""
     gpqa, _ = user_files
     csv_path = tmp_path / "g.csv"
     csv_path.write_text("problem,answer,domain\nq,A,Physics\n")
     c = toy()
     c.data.eval = entry.format(missing=tmp_path / "nowhere.parquet", gpqa=gpqa, gpqa_csv=csv_path)
     with pytest.raises(ConfigError, match=pattern):
-        validate(c)
+        check_environment(validate(c))
 
 
 @pytest.mark.parametrize("start, end, pattern", [

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.config import ConfigError, check_environment, validate
 from cleaner_jax.data.filter import (AUTHORS_RATIOS, SHIPPED_STATS, data_category, filter_file, load_stats,
                                      provenance_path, select_rows)
 from cleaner_jax.data.problems import load_agentrl
@@ -169,8 +169,9 @@ def test_7b_configs_train_on_the_filtered_file(name, tmp_path, monkeypatch):
     assert c.data.train == "Open-AgentRL-30K.filtered_sr.parquet"
     c.model.path = str(tmp_path)
     monkeypatch.chdir(tmp_path)
+    run = validate(c)  # the config is right; the file is made on the machine that runs it
     with pytest.raises(ConfigError, match=r"config\.data\.train: .*python -m cleaner_jax\.data\.filter --input"):
-        validate(c)
+        check_environment(run)
     (tmp_path / "Open-AgentRL-30K.filtered_sr.parquet").touch()
-    validate(c)
+    check_environment(run)
     assert load_config("qwen3_4b_cleaner").data.train == "Open-AgentRL-30K.parquet"  # 4B: the full set

@@ -283,6 +283,9 @@ def test_compilation_cache_dir_is_set_and_checked(tmp_path):
         run_config.validate(c)
     # in a fresh process (the cache is read once per process): the directory fills with programs
     cache = tmp_path / "xla"
+        run_config.check_environment(run_config.validate(c))  # an existing file: the start-up check's
+    c.train.compilation_cache_dir = ""
+    with pytest.raises(ConfigError, match=r"^config\.train\.compilation_cache_dir: '' is not a usable directory"):
     code = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
         from cleaner_jax.config import base_config, validate

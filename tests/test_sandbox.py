@@ -381,7 +381,7 @@ def test_worker_dying_mid_call_is_retried_as_infra():
 def _state_and_flags(pid: int) -> tuple[str, int] | None:
     """(state, task flags) of /proc/PID/stat, or None when there is no such process. A killed
     worker's reaper (pid 1 of its PID namespace) may stay in exit, everything released, until the
-    host's init reaps the namespace: close() does not wait for that (sandbox._alive)."""
+    host's init reaps the namespace: close() does not wait for that (_worker_process.process_alive)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

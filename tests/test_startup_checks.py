@@ -3,7 +3,10 @@
 The trainer reads and checks every data file (train and eval) and the served context before it
 builds a model, runs the warm start or starts a rollout server: those three are replaced here by
 recorders that must never be called. The entry points print a bad data file as one `error:` line
-and exit 1, without a traceback. The bad file's message is written out by hand from its row.
+and exit 1, without a traceback. The bad file's message is written out by hand from its row. A
+config naming what this machine lacks (a file, a directory, a package) passes `validate()` and is
+stopped the same way by the start-up check (`config.check_environment`), a study before its first
+run.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 from _configs import ROOT, load_config
 from cleaner_jax import session as session_module
 from cleaner_jax import train
-from cleaner_jax.config import validate
+from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.data.problems import DataError
 from cleaner_jax.rollout.weight_sync import ContextBudgetError
 
@@ -117,3 +120,38 @@ def test_a_bad_data_file_is_one_error_line_and_exit_1(tmp_path, entry):
     assert proc.returncode == 1, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert proc.stderr.strip().splitlines()[-1] == f"error: {bad}: row 0, field 'problem': missing (columns present: domain, solution)", proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("entry", ["train", "evaluate"])
+def test_what_the_machine_lacks_is_one_error_line_naming_the_key(tmp_path, entry):
+    """validate() accepts the config (it reads nothing from the machine); the entry point's
+    start-up check (`check_environment`) then stops it before any log or model, naming the key."""
+    cmd = [sys.executable, "-m", f"cleaner_jax.{entry}", "--config", str(ROOT / "configs/toy.py"),
+           "--workdir", str(tmp_path / "run"), "--config.model.tiny_init=False",
+           "--config.model.path=/nonexistent/model"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: config.model.path: '/nonexistent/model' is not a directory"
+    assert not (tmp_path / "run").exists()  # stopped before the workdir was made
+
+
+def test_a_study_checks_every_arm_against_the_machine_before_any_run(tmp_path):
+    """The study runner's start-up check: an arm whose run config names a missing file stops the
+    study before its first run, naming the arm and the key."""
+    from ml_collections import ConfigDict
+
+    from cleaner_jax.study import runner
+    from cleaner_jax.study.config import study_config, validate_study
+
+    c = study_config()
+    c.arms.grpo_raw = ConfigDict({"saar": {"enable": False}})
+    c.arms.cleaner = ConfigDict({"train": {"weight_export_dir": str(tmp_path / "missing_shm")}})
+    study = validate_study(c)  # the configs alone are right
+    with pytest.raises(ConfigError, match=r"^config\.arms\.cleaner \(with config\.run\): the run config cannot run "
+                                          r"on this machine: config\.train\.weight_export_dir: '.*missing_shm' is not "
+                                          r"an existing directory"):
+        runner.run_study(study, tmp_path / "study")
+    assert not (tmp_path / "study" / "runs").exists()
+    (tmp_path / "missing_shm").mkdir()
+    runner.check_environments(study, tmp_path / "study")

@@ -6,7 +6,7 @@ import pytest
 from _configs import ROOT, load_config, load_module
 from ml_collections import ConfigDict
 
-from cleaner_jax.config import ConfigError, validate
+from cleaner_jax.config import ConfigError, check_environment, validate
 from cleaner_jax.study import runner
 from cleaner_jax.study.__main__ import check_top_level_keys
 from cleaner_jax.study.config import study_config, validate_study
@@ -115,6 +115,9 @@ def test_warm_cache_dir_rejections(tmp_path):
     c = load_config("toy")
     (tmp_path / "file").write_text("x")
     c.warmup_sft.cache_dir = str(tmp_path / "file")
+    with pytest.raises(ConfigError, match=r"config\.warmup_sft\.cache_dir: .*not a usable directory"):
+        check_environment(validate(c))  # an existing file: the start-up check's
+    c.warmup_sft.cache_dir = " "
     with pytest.raises(ConfigError, match=r"config\.warmup_sft\.cache_dir: .*not a usable directory"):
         validate(c)
 

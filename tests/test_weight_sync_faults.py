@@ -331,14 +331,15 @@ def test_trainer_stops_loudly_after_writing_a_checkpoint_when_the_sync_fails(tmp
     ("rollout.sync_idle_timeout_s", 0.0, r"config\.rollout\.sync_idle_timeout_s"),
 ])
 def test_the_export_and_sync_keys_are_checked(key, value, match):
-    from cleaner_jax.config import ConfigError, validate
+    """By validate() or, for the export directory on disk, by the start-up check after it."""
+    from cleaner_jax.config import ConfigError, check_environment, validate
     from _configs import load_config
 
     c = load_config("toy")
     section, name = key.split(".")
     c[section][name] = value
     with pytest.raises(ConfigError, match=match):
-        validate(c)
+        check_environment(validate(c))
 
 
 def test_export_root_is_the_workdir_or_a_run_own_subdirectory(tmp_path):

@@ -8,8 +8,10 @@ sections are declared below, and keys that are a component field under another n
 ConfigDict every file in `configs/` starts from, and `validate()` converts it back, rejecting an
 unknown or missing key, a wrong type, a value outside its allowed values or range, and (in
 `checks.check_combinations`, the one place for rules across keys) contradictory values, always as
-`config.<section>.<key>: ...` with what is allowed. Defaults are the authors' faithful choices
-(docs/authors.md); each deviation is a named option.
+`config.<section>.<key>: ...` with what is allowed. `validate()` is pure (no file read, no package
+probed); what the config asks of the machine (files, directories, model.path's config.json,
+packages, devices) is `environment.check_environment`'s, called where a run starts. Defaults are
+the authors' faithful choices (docs/authors.md); each deviation is a named option.
 """
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ import ml_collections
 
 from cleaner_jax import schema
 from cleaner_jax.agent.config import AgentConfig
-from cleaner_jax.config.checks import (check_combinations, check_mesh, check_processes, eval_benchmark_names,
-                                       eval_settings, sandbox_warning)
+from cleaner_jax.config.checks import (check_combinations, check_processes, eval_benchmark_names, eval_settings,
+                                       sandbox_warning)
+from cleaner_jax.config.environment import check_environment, check_mesh
 from cleaner_jax.config.sections import SECTIONS, TOY, DataConfig, RunConfig
 from cleaner_jax.schema import ConfigError
 
-__all__ = ["SECTIONS", "TOY", "ConfigError", "DataConfig", "RunConfig", "base_config", "check_mesh",
-           "check_override_keys", "check_processes", "eval_benchmark_names", "eval_settings", "sandbox_warning",
-           "validate"]
+__all__ = ["SECTIONS", "TOY", "ConfigError", "DataConfig", "RunConfig", "base_config", "check_environment",
+           "check_mesh", "check_override_keys", "check_processes", "eval_benchmark_names", "eval_settings",
+           "sandbox_warning", "validate"]
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -66,7 +69,11 @@ def check_override_keys(argv: Sequence[str], flag: str = "config") -> None:
 
 
 def validate(c: ml_collections.ConfigDict) -> RunConfig:
-    """`c` as the typed RunConfig; raises ConfigError naming the first key that cannot work."""
+    """`c` as the typed RunConfig; raises ConfigError naming the first key that cannot work.
+
+    Config in, RunConfig or ConfigError out: nothing is read from the machine, so a config is
+    judged the same wherever it is validated, and a wrong config is told apart from a machine that
+    lacks what it names. Call `check_environment` on the result where a run starts."""
     values = c.to_dict()
     unknown = sorted(set(values) - set(SECTIONS))
     if unknown:

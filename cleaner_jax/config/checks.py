@@ -1,22 +1,26 @@
-"""The run config's rules across keys (`check_combinations`, the one place for them) and the checks
-that need more than the config (the device count, the learner processes, model.path's config.json),
-each raising ConfigError as `config.<section>.<key>: ...` with what would work."""
+"""The run config's rules across keys (`check_combinations`, the one place for them) and the rules
+that need one number more than the config (the learner processes, the fsdp size), each raising
+ConfigError as `config.<section>.<key>: ...` with what would work.
+
+Everything here is pure: config in, ConfigError out, no file read and no package probed, so that
+`validate()` gives the same answer on any machine. What the machine must provide (the files and
+directories the config names, model.path's config.json, the packages it asks for) is checked by
+`cleaner_jax.config.environment.check_environment` where a run starts.
+"""
 from __future__ import annotations
 
-import json
-import os
 import urllib.parse
 
 from cleaner_jax import distributed, schema
-from cleaner_jax.config.sections import TOY, DataConfig, ModelConfig, RunConfig
+from cleaner_jax.config.sections import TOY, DataConfig, RunConfig
 from cleaner_jax.data import livecodebench
 from cleaner_jax.data.benchmarks import USER_BENCHMARKS, check_user_file, parse_eval_spec
-from cleaner_jax.data.filter import FILTERED_SUFFIX
 from cleaner_jax.data.problems import BENCHMARKS
 from cleaner_jax.eval.settings import EvalSettings, parse_overrides, settings_for
 from cleaner_jax.rl import metrics_writer
 from cleaner_jax.rl.batch import bucket_widths
 from cleaner_jax.schema import ConfigError
+
 
 def _require(ok: bool, key: str, msg: str) -> None:
     if not ok:
@@ -32,6 +36,9 @@ SCORES_LIMIT_BYTES = 8 * 2**30
 # Concurrent episodes per sandbox worker above which the start-up log warns: the authors' own
 # ratio, 128 prompts x 16 samples over code-judge's 64 workers (docs/authors.md §6).
 EPISODES_PER_SANDBOX_WORKER = 32
+# How the attention bound counts heads before model.path's config.json is read: one, a lower
+# bound, so that the bound never refuses what might fit (the start-up check counts them all).
+HEADS_UNREAD = "1 head (a lower bound until the start-up check reads model.path's config.json)"
 
 
 def attention_scores_bytes(rows: int, heads: int, tp: int, tokens: int) -> int:
@@ -39,24 +46,9 @@ def attention_scores_bytes(rows: int, heads: int, tp: int, tokens: int) -> int:
     return rows * -(-heads // tp) * tokens * tokens * 4
 
 
-def model_heads(m: ModelConfig) -> int | None:
-    """num_attention_heads of model.path's config.json; None where there is none to read (a
-    tiny_init checkpoint is written later, a test directory may be empty)."""
-    if m.path is None or not os.path.isfile(os.path.join(m.path, "config.json")):
-        return None
-    try:
-        with open(os.path.join(m.path, "config.json"), encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config.model.path: cannot read {m.path}/config.json: {e}") from None
-    if not isinstance(hf, dict) or not isinstance(hf.get("num_attention_heads"), int):
-        raise ConfigError(f"config.model.path: {m.path}/config.json has no integer num_attention_heads")
-    return hf["num_attention_heads"]
-
-
-def check_mesh(r: RunConfig, fsdp: int) -> None:
-    """The rules that need the fsdp size: at validation when mesh.fsdp is given, and in
-    `session.make_mesh` (where the device count is known) when mesh.fsdp=-1.
+def check_micro_batch_split(r: RunConfig, fsdp: int) -> None:
+    """algo.micro_batch_size against the fsdp size: at validation when mesh.fsdp is given, and in
+    `check_mesh` (where the device count is known) when mesh.fsdp=-1.
 
     Micro-batch rows are split over fsdp (`rl.batch.split_micro_batches`), in the train step and
     in the log-prob pass, which uses the same micro-batch size (`wiring.learner_config`)."""
@@ -65,17 +57,22 @@ def check_mesh(r: RunConfig, fsdp: int) -> None:
     _require(a.micro_batch_size % fsdp == 0, "algo.micro_batch_size",
              f"{a.micro_batch_size} rows per micro-batch (train step and log-prob pass) do not split over the fsdp "
              f"axis of {where}: use a multiple of {fsdp} or a mesh.fsdp that divides it")
-    _check_attention_budget(r, a.micro_batch_size // fsdp)
 
 
-def _check_attention_budget(r: RunConfig, rows: int) -> None:
+def attention_rows(r: RunConfig) -> int:
+    """Rows per device of one micro-batch, as far as the config says: with mesh.fsdp=-1 the device
+    count is unknown until `check_mesh`, so at least one."""
+    return r.algo.micro_batch_size // r.mesh.fsdp if r.mesh.fsdp > 0 else 1
+
+
+def check_attention_budget(r: RunConfig, rows: int, heads: int, counted: str) -> None:
+    """The bound on materialised attention scores (`SCORES_LIMIT_BYTES`) for `rows` rows per
+    device of `heads` heads; `counted` says the heads in the message (how they were counted)."""
     m = r.model
     if m.attention_impl not in MATERIALISED_ATTENTION:
         return
-    heads = model_heads(m)
     tokens = r.agent.max_model_len
-    need = attention_scores_bytes(rows, heads or 1, r.mesh.tp, tokens)
-    counted = f"{heads} heads" if heads is not None else "1 head (model.path has no config.json yet: at least 1)"
+    need = attention_scores_bytes(rows, heads, r.mesh.tp, tokens)
     _require(need <= SCORES_LIMIT_BYTES, "model.attention_impl",
              f"{m.attention_impl!r} materialises f32 attention scores per layer: {rows} row(s) per device x {counted} "
              f"/ mesh.tp={r.mesh.tp} x T^2 with T = agent.max_prompt_tokens + agent.max_response_tokens = {tokens} "
@@ -144,17 +141,6 @@ def check_combinations(r: RunConfig) -> None:
     _require(not (m.tiny_init and m.path is not None), "model.path",
              f"{m.path!r} is set together with model.tiny_init=True, which builds a random checkpoint instead; "
              "unset one of them")
-    if m.path is not None:
-        _require(os.path.isdir(m.path), "model.path", f"{m.path!r} is not a directory")
-    if d.train != TOY and d.train.endswith(FILTERED_SUFFIX):
-        _require(os.path.exists(d.train), "data.train",
-                 f"the difficulty-filtered training set {d.train!r} does not exist yet: make it from the released "
-                 f"Open-AgentRL-30K parquet with `python -m cleaner_jax.data.filter --input "
-                 f"/path/to/Open-AgentRL-30K.parquet --output {d.train}` (the authors' 7B filter, "
-                 "docs/authors.md §7.3)")
-    elif d.train != TOY:
-        _require(os.path.exists(d.train), "data.train",
-                 f"training data {d.train!r} not found (give a local .parquet/.jsonl path, or 'toy')")
     _require(d.train != TOY or d.train_limit is None, "data.train_limit",
              "the toy task is generated without end; a limit applies to a file dataset only")
     _require(d.train != TOY or not d.skip_bad_rows, "data.skip_bad_rows",
@@ -168,8 +154,9 @@ def check_combinations(r: RunConfig) -> None:
                  f"unknown benchmark {name!r}; use 'toy' or one of {', '.join(sorted(BENCHMARKS))} (shipped), or a "
                  f"user file as NAME=PATH ({', '.join(f'{n}=PATH' for n in USER_BENCHMARKS)})")
         _require(name != TOY or path is None, "data.eval", "the toy benchmark is generated: name it without a path")
-        problem = check_user_file(name, path)
-        _require(problem is None, "data.eval", str(problem))
+        if path is None or name in BENCHMARKS:  # a user file's path is looked at by the start-up check
+            problem = check_user_file(name, path)
+            _require(problem is None, "data.eval", str(problem))
     names = [name for name, _ in entries]
     _require(TOY not in names or d.eval_limit is not None, "data.eval_limit",
              "the toy benchmark is generated: give its size, e.g. --config.data.eval_limit=16")
@@ -200,9 +187,6 @@ def check_combinations(r: RunConfig) -> None:
     if r.distributed.mode == "explicit":  # auto mode: train.main checks once the processes joined
         check_processes(r, r.distributed.num_processes)
     _check_xla_memory(r)
-    export_dir = r.train.weight_export_dir
-    _require(export_dir is None or os.path.isdir(export_dir), "train.weight_export_dir",
-             f"{export_dir!r} is not an existing directory (e.g. /dev/shm; the run writes its own sub-directory)")
     # SAAR and the agent
     _require(not (s.enable and s.logprob_mode == "rollout" and ro.temperature != 1.0), "saar.logprob_mode",
              "rollout mode re-scores spliced spans on the rollout server, which (like SGLang) scores prompts "
@@ -219,17 +203,16 @@ def check_combinations(r: RunConfig) -> None:
     mini = seqs // a.mini_batches_per_step
     _require(mini % a.micro_batch_size == 0, "algo.micro_batch_size",
              f"a mini-batch of {mini} sequences does not split into micro-batches of {a.micro_batch_size}")
-    if r.mesh.fsdp > 0:
-        check_mesh(r, r.mesh.fsdp)
-    else:  # mesh.fsdp=-1: session.make_mesh checks again with the device count; here >= 1 row per device
-        _check_attention_budget(r, 1)
+    if r.mesh.fsdp > 0:  # mesh.fsdp=-1: session.make_mesh checks it with the device count
+        check_micro_batch_split(r, r.mesh.fsdp)
+    check_attention_budget(r, attention_rows(r), 1, HEADS_UNREAD)
     try:
         bucket_widths(a.bucket_widths, r.agent.max_model_len, "bucket_widths")
     except ValueError as e:
         raise ConfigError(f"config.algo.{e}") from None
     _check_loggers(r)
     cache = r.train.compilation_cache_dir
-    _require(cache is None or (bool(cache.strip()) and not os.path.isfile(cache)), "train.compilation_cache_dir",
+    _require(cache is None or bool(cache.strip()), "train.compilation_cache_dir",
              f"{cache!r} is not a usable directory path (it is created if missing); None turns the cache off")
     _require(a.loss == "ppo" or a.tis == "none", "algo.tis",
              f"truncated IS weights the ppo loss only; algo.loss={a.loss!r} would ignore it")
@@ -263,7 +246,7 @@ def check_combinations(r: RunConfig) -> None:
              "the scripted-teacher warm start exists for the toy task only (data.train='toy')")
     _require(w.cache_dir is None or w.steps > 0, "warmup_sft.cache_dir",
              f"{w.cache_dir!r} caches warm starts, but warmup_sft.steps=0 makes none: set steps or unset the cache")
-    _require(w.cache_dir is None or (bool(w.cache_dir.strip()) and not os.path.isfile(w.cache_dir)),
+    _require(w.cache_dir is None or bool(w.cache_dir.strip()),
              "warmup_sft.cache_dir", f"{w.cache_dir!r} is not a usable directory path (it is created if missing)")
     # evaluation
     _require(r.eval.top_k != 0, "eval.top_k", "0 is not allowed: use -1 (off) or k >= 1")
@@ -298,8 +281,8 @@ def _check_router(r: RunConfig) -> None:
 
 
 def _check_loggers(r: RunConfig) -> None:
-    """train.loggers names known loggers once each; W&B's keys only with wandb in it, and the
-    package installed (checked here, at start-up, without importing it)."""
+    """train.loggers names known loggers once each; W&B's keys only with wandb in it (whether the
+    package is installed is the start-up check's)."""
     t = r.train
     try:
         loggers = metrics_writer.parse_loggers(t.loggers)
@@ -309,8 +292,6 @@ def _check_loggers(r: RunConfig) -> None:
         _require("wandb" in loggers or getattr(t, key) is None, f"train.{key}",
                  f"{getattr(t, key)!r} names a W&B run, but train.loggers={t.loggers!r} has no wandb: add it "
                  "('tensorboard,wandb') or unset the key")
-    _require("wandb" not in loggers or metrics_writer.wandb_installed(), "train.loggers",
-             f"{t.loggers!r} asks for wandb, but {metrics_writer.WANDB_MISSING}")
 
 
 def _check_xla_memory(r: RunConfig) -> None:

@@ -88,7 +88,10 @@ def main(argv: list[str]) -> None:
         print(f"study in {workdir}: {len(study.arms)} arms x {len(study.seeds)} seeds, {study.settings.parallel} "
               "at once (each run's console: runs/<arm>/seed_<s>/console.log)", flush=True)
         t0 = time.monotonic()
-        failed = run_study(study, workdir)
+        try:
+            failed = run_study(study, workdir)
+        except ConfigError as err:  # an arm's run config cannot run on this machine: said before any run
+            raise SystemExit(f"error: {err}") from None
         wall_s = time.monotonic() - t0
     print("\n" + summarize(study, workdir, wall_s), flush=True)
     print(f"written: {workdir / 'summary.md'}, {workdir / 'summary.json'}, {workdir / 'plots'}/", flush=True)

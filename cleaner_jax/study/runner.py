@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cleaner_jax.config import ConfigError, check_environment, validate
 from cleaner_jax.study import run_cache
 from cleaner_jax.study.config import ROOT, Arm, Study
 
@@ -73,6 +74,18 @@ def plan(study: Study, workdir: Path) -> list[RunSpec]:
     return [RunSpec(name, seed, run_dir(workdir, name, seed), train_command(study, arms[name], seed, workdir), cache,
                     run_cache.run_key(study.run_config(arms[name], seed, workdir)) if cache is not None else "")
             for seed in study.seeds for name in arms]
+
+
+def check_environments(study: Study, workdir: Path) -> None:
+    """Every arm's run config against this machine (`check_environment`: the files, directories
+    and packages it names), before any run starts: `validate_study` judged the configs alone, and a
+    missing file found by each train process would fail every run of the study one by one."""
+    for arm in study.arms:
+        try:
+            check_environment(validate(study.run_config(arm, study.seeds[0], workdir)))
+        except ConfigError as e:
+            raise ConfigError(f"config.arms.{arm.name} (with config.run): the run config cannot run on this "
+                              f"machine: {e}") from None
 
 
 def is_done(run: RunSpec) -> bool:
@@ -132,7 +145,9 @@ def execute(run: RunSpec, children: _Children) -> Outcome:
 
 
 def run_study(study: Study, workdir: Path) -> list[RunSpec]:
-    """Run the study's unfinished runs (`study.settings.parallel` at once); returns the failed ones."""
+    """Run the study's unfinished runs (`study.settings.parallel` at once); returns the failed ones.
+    Raises ConfigError, before any run starts, when an arm's run config cannot run on this machine."""
+    check_environments(study, workdir)
     runs = plan(study, workdir)
     todo = [r for r in runs if not is_done(r)]
     children = _Children()

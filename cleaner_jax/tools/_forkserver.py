@@ -8,7 +8,7 @@ Started as `python -m cleaner_jax.tools._forkserver CONFIG_JSON` by `Sandbox`. P
       │        pre-imports numpy/sympy once)
       ├─ reaper R  (pid 1 of a PID namespace made for this worker; small: forked before the
       │             big imports; reaps orphans and, on request, kills every process of the
-      │             worker's uid: kill(-1) from a helper running as that uid)
+      │             worker's uid: kill(-1) from a helper running as that uid; `_reaper`)
       └─ child B  (one per call, forked from S into R's namespace: new session, rlimits
                    incl. RLIMIT_NPROC, unprivileged uid, no_new_privs, scrubbed env, cwd W;
                    runs the code via `_executor`. B is forked and set up *before* its call
@@ -40,7 +40,6 @@ import os
 import resource
 import selectors
 import signal
-import struct
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ import traceback
 from typing import Any, NoReturn
 
 from cleaner_jax.tools import _linux
+from cleaner_jax.tools._reaper import Reaper, start_reaper
 from cleaner_jax.tools._executor import install_std_streams, run_user_code
 from cleaner_jax.tools.framing import recv_msg, send_msg
 from cleaner_jax.tools._outcome import Ending, classify, cpu_limit_s, is_stopped
@@ -84,70 +84,6 @@ class Isolation:
     mount_namespace: bool
     unprivileged_uid: bool
     notes: tuple[str, ...]
-
-
-# ---------------------------------------------------------------- reaper R
-
-def _reaper(req_r: int, resp_w: int) -> NoReturn:
-    """pid 1 of the worker's PID namespace: reap orphans; on a request, kill all of uid."""
-    _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
-
-    def reap(*_: object) -> None:
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            pass
-
-    signal.signal(signal.SIGCHLD, reap)
-    while True:
-        msg = os.read(req_r, 4)
-        if len(msg) < 4:
-            os._exit(0)
-        uid = struct.unpack(">i", msg)[0]
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-        pid = os.fork()
-        if pid == 0:
-            try:
-                if uid >= 0:
-                    os.setgid(uid)
-                    os.setuid(uid)
-                    os.kill(-1, signal.SIGKILL)  # atomic w.r.t. fork: nothing of uid survives
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-        reap()
-        os.write(resp_w, b"k")
-
-
-@dataclasses.dataclass
-class _Reaper:
-    pid: int
-    req_w: int
-    resp_r: int
-
-    def kill_uid(self, uid: int) -> None:
-        os.write(self.req_w, struct.pack(">i", uid))
-        if os.read(self.resp_r, 1) != b"k":
-            raise RuntimeError("sandbox reaper died")
-
-
-def _start_reaper() -> _Reaper:
-    req_r, req_w = os.pipe()
-    resp_r, resp_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        for name in os.listdir("/proc/self/fd"):
-            if int(name) not in (2, req_r, resp_w):
-                try:
-                    os.close(int(name))
-                except OSError:  # the fd of the listdir itself, already closed
-                    pass
-        _reaper(req_r, resp_w)
-    os.close(req_r)
-    os.close(resp_w)
-    return _Reaper(pid, req_w, resp_r)
 
 
 # ---------------------------------------------------------------- child B
@@ -230,7 +166,7 @@ class _Server:
     cfg: WorkerConfig
     iso: Isolation
     workdir: str  # the path of W as S sees it ("/tmp" with a mount namespace)
-    reaper: _Reaper | None
+    reaper: Reaper | None
     spare: _Spare | None = None
 
     def fork_spare(self) -> None:
@@ -435,7 +371,7 @@ def _start(cfg: WorkerConfig) -> _Server:
     except OSError as e:
         pid_ns = False
         notes.append(f"no PID namespace ({e}): leftovers are killed by uid/process group only")
-    reaper = _start_reaper() if (pid_ns or cfg.uid is not None) else None
+    reaper = start_reaper() if (pid_ns or cfg.uid is not None) else None
     if reaper is not None and cfg.uid is not None and not pid_ns:
         reaper.kill_uid(cfg.uid)  # strays of a crashed earlier owner of this uid
     for name in cfg.preload:

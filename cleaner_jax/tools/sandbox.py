@@ -13,6 +13,7 @@ worker that failed, and a snippet process killed or stopped from outside (`_outc
 such call is retried `infra_retries` times (default once) on a fresh worker; the failed worker
 is killed with everything below it and replaced at once, so the pool keeps its size. A code
 that runs past its own time limit is a model "timeout", never retried (docs/reliability.md).
+One worker process, its pipes and its killing are `_worker_process`'s; the pool is here.
 """
 from __future__ import annotations
 
@@ -20,21 +21,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import logging
 import os
 import queue
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
-from cleaner_jax.tools.framing import recv_exact, send_msg
+from cleaner_jax.tools._worker_process import Worker, WorkerStartError, process_alive, start_time
 
 log = logging.getLogger(__name__)
 
@@ -85,92 +82,6 @@ class ExecResult:
     def infra(cls, message: str, duration_s: float = 0.0) -> ExecResult:
         return cls(status="infra", stdout="", stderr=message, error_type=None, error_line=None,
                    duration_s=duration_s)
-
-
-class WorkerStartError(RuntimeError):
-    """A fresh sandbox worker did not come up (it was killed, or gave no `ready` in time)."""
-
-
-class _Worker:
-    """One fork-server process and the pipes to it. Not thread-safe: one caller at a time."""
-
-    def __init__(self, slot: int, config: dict[str, Any]) -> None:
-        self.slot = slot
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cleaner_jax.tools._forkserver", json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(config["env"]),
-            start_new_session=True, close_fds=True)
-        self.hello: dict[str, Any] | None = None
-        self.killed = False
-
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            hello = self._recv(timeout_s)
-        except (OSError, EOFError, TimeoutError, ValueError) as e:
-            raise WorkerStartError(f"sandbox worker {self.slot} (pid {self.proc.pid}) did not start: "
-                                   f"{e!r}; exit status {self.proc.poll()}") from e
-        if not hello.get("ready"):
-            raise WorkerStartError(f"sandbox worker {self.slot} sent {hello!r} instead of ready")
-        self.hello = hello
-        return hello
-
-    def alive(self) -> bool:
-        return not self.killed and self.proc.poll() is None
-
-    def request(self, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        send_msg(self.proc.stdin.fileno(), msg)
-        return self._recv(timeout_s)
-
-    def _recv(self, timeout_s: float) -> Any:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"sandbox worker {self.slot} gave no answer in {timeout_s}s")
-            n = int.from_bytes(recv_exact(fd, 4), "big")
-            return json.loads(recv_exact(fd, n))
-
-    def kill(self) -> None:
-        """Kill the server, its reaper and its spare child, and wait until they are gone: zombies,
-        or tasks still in exit, which hold no memory or files (neither a replacement nor `close`
-        need wait for the host's init to reap them, which some inits do only every ~2 s: `_alive`).
-
-        (The kernel would kill them anyway, via PDEATHSIG and the PID namespace, but only
-        asynchronously; callers and tests rely on nothing being left when this returns.)
-        Safe to call twice: a reaped pid may belong to another process by then."""
-        self.wait_gone(self.signal_kill())
-
-    def signal_kill(self) -> list[int]:
-        """The first half of `kill`: SIGKILL to the server's group and its children (returned, for
-        `wait_gone`), without waiting; nothing (an empty list) if it was killed before. Split so
-        that a pool kills all its workers first and then waits for them together."""
-        if self.killed:
-            return []
-        self.killed = True
-        children = _children(self.proc.pid)
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return children
-
-    def wait_gone(self, children: list[int]) -> None:
-        """The second half of `kill`: reap the server and wait (at most 5 s) for its children."""
-        self.proc.wait()
-        deadline = time.monotonic() + 5.0
-        while any(_alive(pid, exiting_is_gone=True) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                f.close()
 
 
 class Sandbox:
@@ -230,7 +141,7 @@ class Sandbox:
         self.root_dir = tempfile.mkdtemp(prefix=ROOT_PREFIX)
         owner = os.path.join(self.root_dir, OWNER_FILE)
         with open(owner + ".tmp", "w") as f:  # renamed into place: a sweep reads all of it or nothing
-            f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+            f.write(f"{os.getpid()} {start_time(os.getpid())}\n")
         os.replace(owner + ".tmp", owner)
         os.chmod(self.root_dir, 0o711)  # (used only without a mount namespace) the code's uid
         # may traverse into its own 0700 work dir, nothing else
@@ -242,8 +153,8 @@ class Sandbox:
             uid_count=uid_count,
             uid_lock_dir=os.path.join(tempfile.gettempdir(), "cleaner_sandbox_uids"))
         self._uid_base = uid_base if os.geteuid() == 0 else None
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: dict[int, _Worker] = {}
+        self._idle: queue.Queue[Worker] = queue.Queue()
+        self._all: dict[int, Worker] = {}
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
@@ -258,13 +169,13 @@ class Sandbox:
 
     # ------------------------------------------------------------ pool management
 
-    def _spawn(self, slot: int) -> _Worker:
-        w = _Worker(slot, dict(self._base_config, uid=self._uid_base))
+    def _spawn(self, slot: int) -> Worker:
+        w = Worker(slot, dict(self._base_config, uid=self._uid_base))
         with self._lock:
             self._all[slot] = w
         return w
 
-    def _ready(self, w: _Worker) -> None:
+    def _ready(self, w: Worker) -> None:
         hello = w.wait_ready(self.start_timeout_s)
         if not self.isolation:
             self.isolation = hello["isolation"]
@@ -272,7 +183,7 @@ class Sandbox:
                 log.warning("sandbox isolation: %s", note)
         self._idle.put(w)
 
-    def _replace(self, w: _Worker, why: str) -> _Worker:
+    def _replace(self, w: Worker, why: str) -> Worker:
         """Kill `w` and everything below it, start a fresh worker in its slot and return it.
         Raises WorkerStartError (the fresh one killed too) when it does not come up; the slot
         then holds a dead worker, which the next call replaces again."""
@@ -289,7 +200,7 @@ class Sandbox:
             raise
         return new
 
-    def _forget_workdir(self, w: _Worker) -> None:
+    def _forget_workdir(self, w: Worker) -> None:
         """Without a mount namespace a worker's work dir is on the host disk (below root_dir)
         and holds what a killed call wrote: remove it with the worker. (With one, it is the
         worker's private tmpfs, gone with its namespace.)"""
@@ -356,7 +267,7 @@ class Sandbox:
         finally:
             self._idle.put(w)
 
-    def _attempt(self, w: _Worker, msg: dict[str, Any]) -> tuple[dict[str, Any], _Worker]:
+    def _attempt(self, w: Worker, msg: dict[str, Any]) -> tuple[dict[str, Any], Worker]:
         """One try of a call on `w` (first replaced when dead): (result record, the worker
         now in w's slot). After any infra result the worker is replaced, so a retry always
         runs on a fresh one and the pool keeps its size."""
@@ -429,17 +340,6 @@ class Sandbox:
         self.close()
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), which with
-    the pid names one process: a pid the kernel gave to another process has another start time.
-    None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except OSError:
-        return None
-
-
 def sweep_stale_roots(tmp_dir: str) -> list[str]:
     """Remove the temp roots under `tmp_dir` of this user's pools whose owning process is gone (a
     trainer killed before `close()`); returns the paths removed. A root is only removed when its
@@ -462,7 +362,7 @@ def sweep_stale_roots(tmp_dir: str) -> list[str]:
         except ValueError:
             log.warning("kept %s: its %s is not '<pid> <start time>'", root, OWNER_FILE)
             continue
-        if _alive(pid) and _start_time(pid) == started:
+        if process_alive(pid) and start_time(pid) == started:
             continue
         try:
             shutil.rmtree(root)
@@ -473,30 +373,6 @@ def sweep_stale_roots(tmp_dir: str) -> list[str]:
             continue
         removed.append(root)
     return removed
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:  # gone already, or a kernel without CONFIG_PROC_CHILDREN
-        return []
-
-
-_PF_EXITING = 0x4  # a task flag (/proc/PID/stat field 9): in do_exit, memory and files released
-
-
-def _alive(pid: int, exiting_is_gone: bool = False) -> bool:
-    """True while pid exists and is not a zombie (a zombie holds no resources) nor, with
-    `exiting_is_gone`, exiting: a killed worker's reaper, pid 1 of its PID namespace, stays in
-    exit (memory and files released) until the host's init has reaped the namespace's last
-    zombie, which some inits do only every few seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and not (exiting_is_gone and int(fields[6]) & _PF_EXITING)
 
 
 def _to_result(res: dict[str, Any]) -> ExecResult:
