@@ -20,7 +20,7 @@ import numpy as np
 
 from cleaner_jax.rollout import programs
 from cleaner_jax.rollout.prefix_cache import PrefixCache
-from cleaner_jax.rollout.request import GenRequest, SamplingParams
+from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
 
 
 def bucket(n: int, minimum: int, step: int = 256) -> int:
@@ -58,6 +58,30 @@ class Batch:
     @property
     def width(self) -> int:
         return self.tokens.shape[0]
+
+    def result(self, i: int, ids: list[int], lps: list[float], prompt_lp: Any, aborted: set[str],
+               weight_version: str) -> GenResult:
+        """Request i's result from its generated `ids` and `lps`: finish "abort" when its rid is in
+        `aborted`, "length" at its max_new_tokens, else "stop" on its last token; its prompt
+        log-probs, when asked for, from `prompt_lp` [B, T] (entry j scores prompt token cached + j)."""
+        req, cached = self.reqs[i], int(self.cached[i])
+        if req.rid in aborted:
+            finish, matched = "abort", None
+        elif len(ids) >= req.sampling.max_new_tokens:
+            finish, matched = "length", None
+        else:
+            finish, matched = "stop", ids[-1]
+        input_lps: list[float | None] = []
+        if req.logprob_start_len >= 0:  # SGLang: the first entry is always null
+            lp_row = np.asarray(prompt_lp[i])  # [T]: entry j scores prompt token cached + j
+            for pos in range(req.logprob_start_len, len(req.input_ids)):
+                first = pos == req.logprob_start_len
+                input_lps.append(None if first else float(lp_row[pos - cached]))
+        return GenResult(
+            rid=req.rid, output_ids=ids, output_logprobs=lps, finish_type=finish,
+            matched=matched, prompt_tokens=len(req.input_ids), cached_tokens=cached,
+            weight_version=weight_version, input_logprobs=input_lps,
+        )
 
 
 def plan_batch(

@@ -40,41 +40,37 @@ Keep-alive: an idle pooled connection is dropped after `keepalive_s` (default `K
 never reuses a connection the server has already closed (that fails as ServerDisconnectedError:
 the trainer's loop does not run between steps, so the pool does not see the server's close when it
 happens). docs/sglang_api.md §5.3 says more; tests/test_client_keepalive.py shows the failure.
+
+The client in parts: this module is the transport (the connection pool, timeouts, retries and
+failover) and the generation calls; `rollout/rotation.py` keeps which servers are in the rotation
+and the weight sync's side of it, `rollout/routing.py` picks a routed request's server, and
+`rollout/admin.py` holds the control endpoints (`ServerAdmin`, this client's base class).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 from typing import Any
 
 import aiohttp
 
+from cleaner_jax.rollout.admin import CONNECTION_ERRORS, ServerAdmin
 from cleaner_jax.rollout.protocol import GenOutput
+from cleaner_jax.rollout.rotation import Rotation, Server
 from cleaner_jax.rollout.routed import RoutedGenerate, ServerLostError
+from cleaner_jax.rollout.routing import Routes
 from cleaner_jax.rollout.sglang_answers import (ROUTER_404_HINT, RolloutRequestError, RolloutServerError,
                                                 checked_logprobs, routing_headers, to_gen_output)
 
 log = logging.getLogger(__name__)
 
 
-UNREACHABLE = "unreachable"  # the out-of-rotation reason (prefix) of a server that failed a connection and /health
-
-
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a body does not say (sizes the read timeout)
 KEEPALIVE_S = 4.0  # idle seconds a pooled connection is kept: below SGLang's (uvicorn's) 5 s, so a closed one is never reused
 
 
-@dataclasses.dataclass
-class _Server:
-    url: str
-    in_flight: int = 0  # requests now on the wire
-    routes: int = 0  # sticky route keys assigned
-
-
-class SGLangClient:
+class SGLangClient(ServerAdmin):
     """`await client(input_ids, sampling) -> GenOutput` over one or more server URLs.
 
     One client serves one event loop at a time (its aiohttp session is bound to the loop it was
@@ -100,9 +96,9 @@ class SGLangClient:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
-        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.servers = [Server(u.rstrip("/")) for u in urls]
         # sglang-router in front of `servers`: what is not pinned to a server goes there (module docstring)
-        self.router = _Server(router_url.rstrip("/")) if router_url is not None else None
+        self.router = Server(router_url.rstrip("/")) if router_url is not None else None
         if self.router is not None and self.router.url in [s.url for s in self.servers]:
             raise ValueError(f"SGLangClient: the router {self.router.url} is also one of the servers "
                              f"{[s.url for s in self.servers]}: the servers are the workers behind it")
@@ -117,22 +113,14 @@ class SGLangClient:
         self.keepalive_s = KEEPALIVE_S if keepalive_s is None else keepalive_s
         if not self.keepalive_s > 0:
             raise ValueError(f"SGLangClient: keepalive_s={keepalive_s} must be > 0 (and below the server's idle timeout)")
-        if sync_wait_s is not None and not sync_wait_s > 0:
-            raise ValueError(f"SGLangClient: sync_wait_s={sync_wait_s} must be > 0, or None (a sync loses sessions)")
-        self.sync_wait_s = sync_wait_s  # seconds a session waits for its server's weight sync; None: lost at once
         # what went wrong since the last `take_counters()`: request_timeouts, request_failovers,
         # servers_lost (taken out of the rotation as unreachable), trajectories_lost (ServerLostError raised)
         self.counters: collections.Counter[str] = collections.Counter()
-        self._avoid: dict[str, _Server] = {}  # route key -> the server that timed out its trajectory (avoid next time)
+        self.rotation = Rotation(self.servers, self.router, self.counters, sync_wait_s)
+        self.routes = Routes(self.rotation, max_routes, self.counters)
         self.retries = retries
         self.backoff_s = backoff_s
         self.vocab_size = vocab_size
-        self.max_routes = max_routes
-        self._routes: collections.OrderedDict[str, _Server] = collections.OrderedDict()
-        # url -> why it may not take routed requests (e.g. it has not passed the current weight
-        # sync); requests pinned to a server (`server=`) still reach it: the sync's own probe.
-        self._out_of_rotation: dict[str, str] = {}
-        self._syncing: set[str] = set()  # of those, the servers a weight sync is updating: expected back
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -159,25 +147,6 @@ class SGLangClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def _server_for(self, route_key: str | None, exclude: _Server | None = None) -> _Server:
-        if route_key is not None and route_key in self._routes and self._routes[route_key].url in self._out_of_rotation:
-            self._routes.pop(route_key).routes -= 1  # its server left the rotation: route the key anew
-        if route_key is not None and route_key in self._routes and self._routes[route_key] is not exclude:
-            self._routes.move_to_end(route_key)
-            return self._routes[route_key]
-        rotation = self._in_rotation()
-        candidates = [s for s in rotation if s is not exclude] or rotation
-        server = min(candidates, key=lambda s: (s.in_flight, s.routes))  # least loaded, then fewest keys
-        if route_key is not None:
-            old = self._routes.get(route_key)
-            if old is not None:
-                old.routes -= 1
-            self._routes[route_key] = server
-            server.routes += 1
-            while len(self._routes) > self.max_routes:
-                self._routes.popitem(last=False)[1].routes -= 1
-        return server
-
     def read_timeout_s(self, json_body: Any) -> float:
         """Seconds a request may wait for its answer: the base plus the per-token allowance for
         the most `max_new_tokens` any of its items asks for."""
@@ -193,7 +162,7 @@ class SGLangClient:
         return out
 
     async def _request(
-        self, method: str, path: str, *, server: _Server | None = None, route_key: str | None = None,
+        self, method: str, path: str, *, server: Server | None = None, route_key: str | None = None,
         json_body: Any = None, timeout_s: float | None = None, expect_json: bool = True,
     ) -> Any:
         """One HTTP call with retries; `server` pins the target (no failover)."""
@@ -202,17 +171,17 @@ class SGLangClient:
         return out
 
     async def _send(
-        self, method: str, path: str, *, server: _Server | None = None, route_key: str | None = None,
+        self, method: str, path: str, *, server: Server | None = None, route_key: str | None = None,
         json_body: Any = None, timeout_s: float | None = None, expect_json: bool = True, lose_fast: bool = False,
-    ) -> tuple[Any, _Server]:
+    ) -> tuple[Any, Server]:
         """`_request`, also returning the server that answered. With `lose_fast` (a trajectory's
         pinned turn), a timeout or a connection failure after which the server is unreachable
         raises `ServerLostError` at once instead of retrying a server that lost the trajectory."""
         read_s = timeout_s or self.read_timeout_s(json_body)
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.connect_timeout_s, sock_read=read_s)
         own_routing = server is None and self.router is None  # the client picks (and may move) the server
-        avoid = self._avoid.pop(route_key, None) if own_routing and route_key is not None else None
-        target = server or self.router or self._server_for(route_key, exclude=avoid)
+        avoid = self.routes.take_avoided(route_key) if own_routing and route_key is not None else None
+        target = server or self.router or self.routes.server_for(route_key, exclude=avoid)
         last_exc: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -233,7 +202,7 @@ class SGLangClient:
                         raise RolloutServerError(
                             f"{method} {tried.url}{path} → HTTP {resp.status}: {(await resp.text())[:500]}{hint}")
                     return (await resp.json(content_type=None) if expect_json else await resp.text()), tried
-            except _RETRYABLE as exc:
+            except CONNECTION_ERRORS as exc:
                 last_exc = exc
                 timed_out = isinstance(exc, asyncio.TimeoutError)
                 what = f"no answer within {read_s:g} s" if timed_out else repr(exc)
@@ -243,38 +212,18 @@ class SGLangClient:
                     self.counters["request_timeouts"] += 1
                 elif tried is not self.router and not await self.health(tried.url):
                     self.lose(tried.url, what)  # the router is no worker: retried, never out of the rotation
-                if lose_fast and (timed_out or tried.url in self._out_of_rotation):
+                if lose_fast and (timed_out or self.rotation.is_out(tried.url)):
                     self.counters["trajectories_lost"] += 1
-                    if timed_out and route_key is not None and tried is not self.router and \
-                            len(self._avoid) < self.max_routes:
-                        self._avoid[route_key] = tried  # its regeneration goes elsewhere when it can
+                    if timed_out and route_key is not None and tried is not self.router:
+                        self.routes.avoid(route_key, tried)  # its regeneration goes elsewhere when it can
                     raise ServerLostError(tried.url, what) from exc
                 if own_routing and len(self.servers) > 1:
-                    target = self._failover(route_key, tried)
+                    target = self.routes.failover(route_key, tried)
             finally:
                 tried.in_flight -= 1
         raise RolloutServerError(
             f"{method} {target.url}{path} failed after {self.retries + 1} attempts: {last_exc!r}"
         ) from last_exc
-
-    def lose(self, url: str, why: str) -> None:
-        """Take a server that failed a connection (or, behind a router, the fleet's check) and then
-        /health out of the rotation, as unreachable (`RolloutFleet` brings it back)."""
-        if url not in self._out_of_rotation:
-            log.error("rollout server %s is unreachable (%s): out of the rotation until it is back and synced",
-                      url, why)
-            self.counters["servers_lost"] += 1
-            self.take_out_of_rotation(url, f"{UNREACHABLE}: {why}")
-
-    def _failover(self, route_key: str | None, failed: _Server) -> _Server:
-        """Another server for a request that failed on `failed` (the same one when none is left)."""
-        try:
-            nxt = self._server_for(route_key, exclude=failed)
-        except RolloutServerError:  # every server is out of the rotation: keep retrying this one
-            return failed
-        if nxt is not failed:
-            self.counters["request_failovers"] += 1
-        return nxt
 
     # ------------------------------------------------------------------------- generation
 
@@ -295,8 +244,8 @@ class SGLangClient:
         out, _ = await self.generate_on(None, input_ids, sampling, route_key=route_key)
         return out
 
-    async def generate_on(self, server: _Server | None, input_ids: list[int], sampling: dict[str, Any], *,
-                          route_key: str | None = None, lose_fast: bool = False) -> tuple[GenOutput, _Server]:
+    async def generate_on(self, server: Server | None, input_ids: list[int], sampling: dict[str, Any], *,
+                          route_key: str | None = None, lose_fast: bool = False) -> tuple[GenOutput, Server]:
         """One turn on `server` (None: routed by `route_key`), and the server that answered it (a
         trajectory's session pins itself there); `lose_fast` as in `_send`."""
         body = {"input_ids": self._check_ids(input_ids), "sampling_params": dict(sampling), "return_logprob": True}
@@ -326,7 +275,7 @@ class SGLangClient:
         return await self.score_on(pinned, input_ids, start, temperature, route_key=route_key)
 
     async def score_on(
-        self, server: _Server | None, input_ids: list[int], start: int, temperature: float = 1.0, *,
+        self, server: Server | None, input_ids: list[int], start: int, temperature: float = 1.0, *,
         route_key: str | None = None, lose_fast: bool = False,
     ) -> list[float]:
         """`score` on `server` (None: routed), losing a pinned trajectory at once with `lose_fast` (`_send`)."""
@@ -349,156 +298,35 @@ class SGLangClient:
             raise RolloutServerError(f"score: input_token_logprobs do not line up with input_ids[{start - 1}:]")
         return checked_logprobs([e[0] for e in entries[1:]], f"score on {out['meta_info'].get('weight_version')!r}")
 
-    # ------------------------------------------------------------------------- control
+    # ------------------------------------------------------------------------- the rotation (rollout/rotation.py)
+    # The fleet (`rollout/fleet.py`), the weight sync (`rollout/weight_sync.py`) and a trajectory's
+    # session (`rollout/routed.py`) reach the rotation through these.
 
-    def _in_rotation(self) -> list[_Server]:
-        rotation = [s for s in self.servers if s.url not in self._out_of_rotation]
-        if not rotation:
-            why = "; ".join(f"{u}: {r}" for u, r in self._out_of_rotation.items())
-            raise RolloutServerError(f"no rollout server is in rotation ({why})")
-        return rotation
-
-    def take_out_of_rotation(self, url: str, reason: str, *, syncing: bool = False) -> None:
-        """Route no new request (and no trajectory's next turn) to `url` until `put_in_rotation`;
-        the weight sync does this to every server it has not yet verified on the new weights, with
-        `syncing` (it is expected back: sessions may wait for it, `sync_wait_s`)."""
-        url = self._by_url(url).url
-        self._out_of_rotation[url] = reason
-        (self._syncing.add if syncing else self._syncing.discard)(url)
-
-    def put_in_rotation(self, url: str) -> None:
-        url = self._by_url(url).url
-        self._out_of_rotation.pop(url, None)
-        self._syncing.discard(url)
-
-    async def wait_for_sync(self, url: str | None, poll_s: float = 0.05) -> None:
-        """Return once `url` (None: some server) is not out of the rotation for a weight sync in
-        progress; at once when the client does not wait for syncs (`sync_wait_s` None). Past
-        `sync_wait_s` a pinned session's server counts as lost (`ServerLostError`)."""
-        def syncing() -> bool:
-            if url is not None:
-                return url in self._syncing
-            return bool(self._syncing) and all(s.url in self._out_of_rotation for s in self.servers)
-
-        if self.sync_wait_s is None or not syncing():
-            return
-        deadline = asyncio.get_running_loop().time() + self.sync_wait_s
-        while syncing():
-            if asyncio.get_running_loop().time() > deadline:
-                why = "; ".join(f"{u}: {r}" for u, r in self._out_of_rotation.items() if url in (None, u))
-                if url is None:
-                    raise RolloutServerError(f"no rollout server came back from its weight sync within "
-                                             f"{self.sync_wait_s:g} s (rollout.server_wait_s): {why}")
-                self.counters["trajectories_lost"] += 1
-                raise ServerLostError(url, f"still out of the rotation {self.sync_wait_s:g} s later, waiting for "
-                                           f"its weight sync (rollout.server_wait_s): {why}")
-            await asyncio.sleep(poll_s)
+    @property
+    def sync_wait_s(self) -> float | None:
+        """Seconds a session waits for its server's weight sync; None: a sync loses it at once."""
+        return self.rotation.sync_wait_s
 
     @property
     def out_of_rotation(self) -> dict[str, str]:
         """url -> why it takes no routed request now."""
-        return dict(self._out_of_rotation)
+        return self.rotation.out_of_rotation
 
-    def _by_url(self, url: str) -> _Server:
-        """The worker at `url`; never the router, which answers none of the calls pinned to a worker."""
-        for s in self.servers:
-            if s.url == url.rstrip("/"):
-                return s
-        router = f" (the router {self.router.url} forwards generation only)" if self.router is not None else ""
-        raise ValueError(f"{url} is not one of this client's servers {[s.url for s in self.servers]}{router}")
+    def _by_url(self, url: str) -> Server:
+        return self.rotation.by_url(url)
 
-    async def model_info(self, url: str) -> dict[str, Any]:
-        return await self._request("GET", "/model_info", server=self._by_url(url))
+    def take_out_of_rotation(self, url: str, reason: str, *, syncing: bool = False) -> None:
+        """`Rotation.take_out`: no routed request to `url` until `put_in_rotation`; `syncing`: a
+        weight sync takes it out and expects it back."""
+        self.rotation.take_out(url, reason, syncing=syncing)
 
-    async def server_info(self, url: str) -> dict[str, Any]:
-        return await self._request("GET", "/server_info", server=self._by_url(url))
+    def put_in_rotation(self, url: str) -> None:
+        self.rotation.put_in(url)
 
-    async def models(self, url: str) -> dict[str, Any]:
-        """`/v1/models` (both servers: `data[0].max_model_len` is the served context length)."""
-        return await self._request("GET", "/v1/models", server=self._by_url(url))
+    def lose(self, url: str, why: str) -> None:
+        """`Rotation.lose`: out of the rotation as unreachable, until the fleet brings it back."""
+        self.rotation.lose(url, why)
 
-    async def health(self, url: str) -> bool:
-        """True when /health answers 200; False when it answers anything else or nothing.
-
-        On its own connection: the pool may be full of long generations when a server fails."""
-        timeout = aiohttp.ClientTimeout(total=10, sock_connect=min(self.connect_timeout_s, 10))
-        try:
-            async with aiohttp.ClientSession(timeout=timeout) as own, own.get(url.rstrip("/") + "/health") as resp:
-                return resp.status == 200
-        except _RETRYABLE:
-            return False
-
-    async def flush_cache(self, url: str | None = None, attempts: int = 50) -> None:
-        """Flush the prefix cache of one server (or all). SGLang answers 400 while not idle, so
-        that is retried a few times before failing."""
-        for server in [self._by_url(url)] if url else self.servers:
-            for attempt in range(attempts):
-                try:
-                    await self._request("POST", "/flush_cache", server=server, expect_json=False)
-                    break
-                except RolloutRequestError:
-                    if attempt == attempts - 1:
-                        raise RolloutServerError(f"{server.url}/flush_cache refused {attempts} times (server never idle)")
-                    await asyncio.sleep(0.05)
-
-    async def flush_cache_once(self, url: str) -> bool:
-        """One `/flush_cache`: True when flushed, False when the server refused (SGLang's 400
-        `Flush cache failed.` while any request is running or queued)."""
-        try:
-            await self._request("POST", "/flush_cache", server=self._by_url(url), expect_json=False)
-        except RolloutRequestError:
-            return False
-        return True
-
-    async def pause_generation(self, url: str, mode: str = "abort") -> None:
-        """`/pause_generation`: in "abort" mode running and queued requests return at once with
-        finish type "abort" and new ones wait for `continue_generation` (SGLang's weight-update
-        flow; a flush succeeds only on an idle server)."""
-        await self._request("POST", "/pause_generation", server=self._by_url(url), json_body={"mode": mode})
-
-    async def continue_generation(self, url: str) -> None:
-        await self._request("POST", "/continue_generation", server=self._by_url(url), json_body={})
-
-    async def update_weights_from_disk(self, url: str, model_path: str, weight_version: str, flush_cache: bool = True) -> dict[str, Any]:
-        body = {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache}
-        try:
-            out = await self._request("POST", "/update_weights_from_disk", server=self._by_url(url), json_body=body)
-        except RolloutRequestError as exc:
-            raise RolloutServerError(f"{url} refused the weights at {model_path}: {exc}") from exc
-        if not out.get("success", False):
-            raise RolloutServerError(f"{url} failed to load {model_path}: {out.get('message')}")
-        return out
-
-    async def release_memory_occupation(self, tags: list[str] | None = None,
-                                        urls: list[str] | None = None) -> dict[str, str]:
-        """`/release_memory_occupation` on each of `urls` (default: every server of this client),
-        one after the other: free the weights and KV memory (`tags` of "weights", "kv_cache";
-        None = all) so a colocated learner can use it. Each server must be idle (SGLang refuses,
-        or asserts, otherwise) and real SGLang needs `--enable-memory-saver` (docs/scaling.md,
-        "Colocated placement"). Returns each server's answer as text (for the log): its body
-        varies by SGLang release (`null` in 0.5.x), so only the status is checked."""
-        return await self._memory_occupation("/release_memory_occupation", tags, urls)
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None,
-                                       urls: list[str] | None = None) -> dict[str, str]:
-        """`/resume_memory_occupation`: the inverse, on each of `urls` (default: all). Resume only
-        what was released: real SGLang's scheduler dies on a tag it did not release. Real SGLang
-        without `--enable-weights-cpu-backup` resumes the weights' memory, not their values:
-        load weights (`update_weights_from_disk`) before generating. Returns the answers."""
-        return await self._memory_occupation("/resume_memory_occupation", tags, urls)
-
-    async def _memory_occupation(self, path: str, tags: list[str] | None, urls: list[str] | None) -> dict[str, str]:
-        body = {} if tags is None else {"tags": list(tags)}
-        answers = {}
-        for server in [self._by_url(u) for u in urls] if urls is not None else self.servers:
-            try:
-                answers[server.url] = await self._request("POST", path, server=server, json_body=body,
-                                                          expect_json=False)
-            except RolloutRequestError as exc:
-                raise RolloutServerError(f"{server.url}{path} with tags {tags} was refused: {exc}") from exc
-        return answers
-
-    async def abort(self, rid: str, url: str | None = None) -> None:
-        for server in [self._by_url(url)] if url else self.servers:
-            await self._request("POST", "/abort_request", server=server, json_body={"rid": rid}, expect_json=False)
-
+    async def wait_for_sync(self, url: str | None, poll_s: float = 0.05) -> None:
+        """`Rotation.wait_for_sync`: until `url` (None: some server) is back from a weight sync."""
+        await self.rotation.wait_for_sync(url, poll_s)

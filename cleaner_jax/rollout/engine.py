@@ -18,7 +18,6 @@ and closed over by the programs). Sampling semantics are SGLang's (see sampling.
 """
 from __future__ import annotations
 
-import gc
 import json
 import threading
 from pathlib import Path
@@ -34,21 +33,9 @@ from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout import decode_backend as backends
 from cleaner_jax.rollout import programs
 from cleaner_jax.rollout.batch_plan import Batch, bucket, plan_batch
+from cleaner_jax.rollout.memory import MEMORY_TAGS, MemoryOccupation, free_dropped_weights
 from cleaner_jax.rollout.prefix_cache import PrefixCache
-from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams
-
-# SGLang's memory-occupation tags (`/release_memory_occupation {"tags": [...]}`; none or [] = all).
-MEMORY_TAGS = ("weights", "kv_cache")
-
-
-def _free_dropped_weights() -> None:
-    """Free the parameters the engine just dropped. Dropping the last reference is not enough:
-    flax flattens a state (`nnx.split` when weights are loaded) through
-    `nnx.traversals.flatten_to_sequence`, whose recursive closure keeps the flattened list, and
-    every variable in it, in a reference cycle that only Python's cycle collector frees. Without
-    a collection here the old weights stay in memory until the collector happens to run
-    (tests/test_colocated.py; ~74 ms a collection in a trainer-sized process, bench/RESULTS.md)."""
-    gc.collect()
+from cleaner_jax.rollout.request import GenRequest, GenResult, SamplingParams, validate_request
 
 
 class MemoryReleasedError(RuntimeError):
@@ -128,38 +115,14 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.weight_version = "default"
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
-        self._released: set[str] = set()  # MEMORY_TAGS now released
-        self._host_state: Any = None  # the weights' host copy while "weights" is released
+        self.memory = MemoryOccupation()  # what of the memory is released (rollout/memory.py)
         self._lock = threading.Lock()
         self._abort_lock = threading.Lock()
         self._aborted: set[str] = set()
         self._seeds = np.random.default_rng(seed)
-        graphdef, ops = self._graphdef, self.decode_backend
-        self._prefill = jax.jit(
-            lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: programs.prefill(
-                graphdef, ops, state, cache, tokens, mask, params, seeds, want_prompt_lp
-            ),
-            static_argnums=(6,),
-            donate_argnums=(1,),  # the fresh batch cache: prefill writes it in place
-        )
-        self._decode = jax.jit(
-            lambda state, ds, params, chunk: programs.decode(graphdef, ops, state, ds, params, chunk),
-            static_argnums=(3,),
-            donate_argnums=(1,),
-        )
-        self._prefill_chunk = jax.jit(
-            lambda state, cache, tokens, mask, h_last, is_final: programs.prefill_chunk(
-                graphdef, ops, state, cache, tokens, mask, h_last, is_final),
-            donate_argnums=(1,),
-        )
-        self._first_token = jax.jit(
-            lambda state, cache, h_last, params, seeds: programs.first_token(
-                graphdef, ops, state, cache, h_last, params, seeds),
-            donate_argnums=(1,),
-        )
-        self._chunk_prompt_lp = jax.jit(
-            lambda state, h_prev, h, tokens, params: programs.chunk_prompt_logprobs(
-                graphdef, ops, state, h_prev, h, tokens, params))
+        # one attribute each: a test replaces `_decode` to hold a batch (tests/_rollout_common.py)
+        (self._prefill, self._decode, self._prefill_chunk, self._first_token,
+         self._chunk_prompt_lp) = programs.jit_programs(self._graphdef, self.decode_backend)
 
     # ----------------------------------------------------------------------------- weights
 
@@ -189,7 +152,7 @@ class Engine:
             if jax.tree.structure(state) != jax.tree.structure(self._state):
                 raise ValueError("load_state: the new state's tree does not match the served model's")
             self._state = state
-            _free_dropped_weights()  # the previous weights, now rather than at some later collection
+            free_dropped_weights()  # the previous weights, now rather than at some later collection
             if flush_cache:
                 self.prefix_cache.clear()
             if weight_version is not None:
@@ -206,61 +169,27 @@ class Engine:
     @property
     def released(self) -> tuple[str, ...]:
         """The MEMORY_TAGS whose memory is released now (in MEMORY_TAGS order)."""
-        return tuple(t for t in MEMORY_TAGS if t in self._released)
+        return self.memory.released
 
     def release_memory(self, tags: list[str] | None = None) -> tuple[str, ...]:
-        """SGLang's `/release_memory_occupation`: free the device memory of `tags` (None or [] =
-        all) so a colocated learner can use it; returns the tags released.
-
-        "weights": the parameters are copied to host memory (NumPy, a real copy: on the CPU
-        backend `device_get` may alias the buffer) and the engine drops its device arrays, which
-        frees them (not `delete()`d: a `load_state` caller may share them); the copy
-        makes `resume_memory` exact whatever the weights came from (a checkpoint, an in-memory
-        `load_state`, a sync directory that has since been removed), and are freed when the
-        release returns, which is what a colocated learner waits for (`_free_dropped_weights`).
-        "kv_cache": the prefix cache,
-        the only KV this engine keeps between batches (each batch allocates its own), is dropped
-        with its device buffers. While any tag is released, generation and weight loading raise
-        `MemoryReleasedError`. Waits for a running batch; releasing a released tag is an error
-        (real SGLang's memory saver does not support it either)."""
-        wanted = _check_tags(tags)
+        """SGLang's `/release_memory_occupation` of `tags` (None or [] = all), once a running batch
+        is done: `MemoryOccupation.release`, then the dropped weights freed before this returns
+        (what a colocated learner waits for). Returns the tags released."""
         with self._lock:
-            again = [t for t in wanted if t in self._released]
-            if again:
-                raise ValueError(f"release_memory_occupation: {again} already released (released now: "
-                                 f"{list(self.released)}); resume them first")
-            if "kv_cache" in wanted:
-                entries = self.prefix_cache.take_all()
-                for entry in entries:
-                    entry.k.delete()
-                    entry.v.delete()
-            if "weights" in wanted:
-                leaves, treedef = jax.tree.flatten(self._state)
-                # each leaf with its sharding, so a resume restores the layout as well as the values
-                self._host_state = (treedef, [np.array(x, copy=True) for x in leaves], [x.sharding for x in leaves])
-                del leaves
+            done = self.memory.release(tags, self._state, self.prefix_cache)
+            if "weights" in done:
                 self._state = None
-                _free_dropped_weights()
-            self._released.update(wanted)
-            return tuple(t for t in MEMORY_TAGS if t in wanted)
+                free_dropped_weights()
+            return done
 
     def resume_memory(self, tags: list[str] | None = None) -> tuple[str, ...]:
-        """SGLang's `/resume_memory_occupation`: bring back `tags` (None or [] = all). The weights
-        are put back on the device from their host copy (bit-exact); the prefix cache starts
-        empty, like SGLang's flushed radix cache. Resuming a tag that is not released is an error
-        (on real SGLang it kills the scheduler: the trainer must track what it released)."""
-        wanted = _check_tags(tags)
+        """SGLang's `/resume_memory_occupation` of `tags` (None or [] = all): `MemoryOccupation.resume`,
+        the weights back on the device bit-exact. Returns the tags resumed."""
         with self._lock:
-            missing = [t for t in wanted if t not in self._released]
-            if missing:
-                raise ValueError(f"resume_memory_occupation: {missing} not released (released now: "
-                                 f"{list(self.released)})")
-            if "weights" in wanted:
-                treedef, host, shardings = self._host_state
-                self._state = jax.tree.unflatten(treedef, [jax.device_put(x, sh) for x, sh in zip(host, shardings)])
-                self._host_state = None
-            self._released.difference_update(wanted)
-            return tuple(t for t in MEMORY_TAGS if t in wanted)
+            done, state = self.memory.resume(tags)
+            if state is not None:
+                self._state = state
+            return done
 
     def memory_bytes(self) -> dict[str, int]:
         """The engine's resident memory, measured on its buffers: `weights` (device bytes of the
@@ -268,11 +197,11 @@ class Engine:
         `weights_host_copy` (the host copy held while the weights are released)."""
         state = self._state
         weights = 0 if state is None else sum(int(x.nbytes) for x in jax.tree.leaves(state))
-        host = 0 if self._host_state is None else sum(int(x.nbytes) for x in self._host_state[1])
-        return {"weights": weights, "kv_cache": self.prefix_cache.device_bytes, "weights_host_copy": host}
+        return {"weights": weights, "kv_cache": self.prefix_cache.device_bytes,
+                "weights_host_copy": self.memory.host_bytes()}
 
     def _check_resident(self, what: str, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
-        gone = [t for t in tags if t in self._released]
+        gone = [t for t in tags if t in self.memory.released]
         if gone:
             raise MemoryReleasedError(
                 f"cannot {what}: the engine's memory for {gone} is released (/release_memory_occupation); "
@@ -296,36 +225,10 @@ class Engine:
     # ------------------------------------------------------------------------- validation
 
     def validate(self, req: GenRequest) -> None:
-        """Raise ValueError (→ HTTP 400) for inputs SGLang rejects, and out-of-range ids;
-        MemoryReleasedError while the engine's memory is released."""
+        """Raise ValueError (→ HTTP 400) for inputs SGLang rejects, and out-of-range ids
+        (`request.validate_request`); MemoryReleasedError while the engine's memory is released."""
         self._check_resident("generate")
-        n = len(req.input_ids)
-        if n == 0:
-            raise ValueError("input_ids cannot be empty.")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contain ids outside [0, {self.vocab_size}): {bad[:8]}")
-        if n >= self.context_length:
-            raise ValueError(
-                f"The input ({n} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        total = n + req.sampling.max_new_tokens
-        if total > self.context_length:
-            raise ValueError(
-                f"Requested token count exceeds the model's maximum context length of "
-                f"{self.context_length} tokens. You requested a total of {total} tokens: {n} tokens "
-                f"from the input messages and {req.sampling.max_new_tokens} tokens for the "
-                f"completion. Please reduce the number of tokens in the input messages or the "
-                f"completion to fit within the limit."
-            )
-        if req.logprob_start_len > n:
-            raise ValueError(
-                f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input "
-                f"tokens len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len."
-            )
-        if req.sampling.stop:
-            raise ValueError("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
+        validate_request(req, vocab_size=self.vocab_size, context_length=self.context_length)
 
     # ------------------------------------------------------------------------- generation
 
@@ -361,7 +264,8 @@ class Engine:
         out_ids = [[int(first_tok[i])] if max_new[i] > 0 else [] for i in range(len(reqs))]
         out_lps = [[float(first_lp[i])] if max_new[i] > 0 else [] for i in range(len(reqs))]
         ds, aborted = self._decode_until_done(ds, done, batch, out_ids, out_lps)
-        results = [self._result(batch, i, out_ids[i], out_lps[i], prompt_lp, aborted) for i in range(len(reqs))]
+        results = [batch.result(i, out_ids[i], out_lps[i], prompt_lp, aborted, self.weight_version)
+                   for i in range(len(reqs))]
         self._cache_prefixes(batch, ds.cache, out_ids)
         return results
 
@@ -423,28 +327,6 @@ class Engine:
         self._take_aborted(rids)  # an abort that arrived after its row finished is moot
         return ds, aborted
 
-    def _result(
-        self, batch: Batch, i: int, ids: list[int], lps: list[float], prompt_lp: Any, aborted: set[str]
-    ) -> GenResult:
-        req, cached = batch.reqs[i], int(batch.cached[i])
-        if req.rid in aborted:
-            finish, matched = "abort", None
-        elif len(ids) >= req.sampling.max_new_tokens:
-            finish, matched = "length", None
-        else:
-            finish, matched = "stop", ids[-1]
-        input_lps: list[float | None] = []
-        if req.logprob_start_len >= 0:  # SGLang: the first entry is always null
-            lp_row = np.asarray(prompt_lp[i])  # [T]: entry j scores prompt token cached + j
-            for pos in range(req.logprob_start_len, len(req.input_ids)):
-                first = pos == req.logprob_start_len
-                input_lps.append(None if first else float(lp_row[pos - cached]))
-        return GenResult(
-            rid=req.rid, output_ids=ids, output_logprobs=lps, finish_type=finish,
-            matched=matched, prompt_tokens=len(req.input_ids), cached_tokens=cached,
-            weight_version=self.weight_version, input_logprobs=input_lps,
-        )
-
     def _cache_prefixes(self, batch: Batch, cache: qwen.KVCache, out_ids: list[list[int]]) -> None:
         """Every row's KV (prompt + output[:-1]) into the prefix cache; batch-invariant, the
         prompt's only. Decode computes a token's KV in another program than the prefill would, so
@@ -457,15 +339,3 @@ class Engine:
             if len(kv_tokens) > 0:
                 ek, ev = programs.read_row(cache.k, cache.v, np.int32(i), bucket(len(kv_tokens), 16))
                 self.prefix_cache.insert(kv_tokens, ek, ev)
-
-
-def _check_tags(tags: list[str] | None) -> list[str]:
-    """The memory-occupation tags asked for: None or [] means all (SGLang's rule)."""
-    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
-        raise ValueError(f"tags must be a list of strings from {list(MEMORY_TAGS)}, got {tags!r:.80}")
-    if not tags:
-        return list(MEMORY_TAGS)
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise ValueError(f"unknown memory tags {unknown}; this server has {list(MEMORY_TAGS)}")
-    return list(dict.fromkeys(tags))

@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cleaner_jax.rollout.client import UNREACHABLE, SGLangClient
+from cleaner_jax.rollout.client import SGLangClient
+from cleaner_jax.rollout.rotation import UNREACHABLE
 from cleaner_jax.rollout.weight_sync import sync_weights
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ program serves every weight version.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +138,49 @@ def decode(graphdef, ops: Ops, state, ds: DecodeState, params: RowParams, chunk:
     init = (jnp.int32(0), ds, jnp.full((b, chunk), -1, jnp.int32), jnp.zeros((b, chunk), jnp.float32))
     steps, ds, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
     return ds, out_tok, out_lp, steps
+
+
+class Jitted(NamedTuple):
+    """The engine's programs jitted for one model structure and decode backend, which they close
+    over (`jit_programs`): what is left to pass is arrays and static flags, so one compilation
+    serves every weight version. Each donates the batch cache (or decode state) it updates."""
+
+    prefill: Callable[..., Any]  # (state, cache, tokens, mask, params, seeds, want_prompt_lp)
+    decode: Callable[..., Any]  # (state, ds, params, chunk)
+    prefill_chunk: Callable[..., Any]  # (state, cache, tokens, mask, h_last, is_final)
+    first_token: Callable[..., Any]  # (state, cache, h_last, params, seeds)
+    chunk_prompt_logprobs: Callable[..., Any]  # (state, h_prev, h, tokens, params)
+
+
+def jit_programs(graphdef: Any, ops: Ops) -> Jitted:
+    """`prefill`, `decode`, `prefill_chunk`, `first_token` and `chunk_prompt_logprobs`, jitted
+    with `graphdef` and `ops` closed over."""
+    return Jitted(
+        prefill=jax.jit(
+            lambda state, cache, tokens, mask, params, seeds, want_prompt_lp: prefill(
+                graphdef, ops, state, cache, tokens, mask, params, seeds, want_prompt_lp
+            ),
+            static_argnums=(6,),
+            donate_argnums=(1,),  # the fresh batch cache: prefill writes it in place
+        ),
+        decode=jax.jit(
+            lambda state, ds, params, chunk: decode(graphdef, ops, state, ds, params, chunk),
+            static_argnums=(3,),
+            donate_argnums=(1,),
+        ),
+        prefill_chunk=jax.jit(
+            lambda state, cache, tokens, mask, h_last, is_final: prefill_chunk(
+                graphdef, ops, state, cache, tokens, mask, h_last, is_final),
+            donate_argnums=(1,),
+        ),
+        first_token=jax.jit(
+            lambda state, cache, h_last, params, seeds: first_token(graphdef, ops, state, cache, h_last, params, seeds),
+            donate_argnums=(1,),
+        ),
+        chunk_prompt_logprobs=jax.jit(
+            lambda state, h_prev, h, tokens, params: chunk_prompt_logprobs(
+                graphdef, ops, state, h_prev, h, tokens, params)),
+    )
 
 
 init_cache = jax.jit(qwen.init_cache, static_argnums=(0, 1, 2))

@@ -174,3 +174,35 @@ class GenResult:
     cached_tokens: int
     weight_version: str
     input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+
+
+def validate_request(req: GenRequest, *, vocab_size: int, context_length: int) -> None:
+    """Raise ValueError (→ HTTP 400) for a request SGLang rejects against the served model (with
+    SGLang's messages), and for ids outside [0, vocab_size), on which SGLang crashes instead."""
+    n = len(req.input_ids)
+    if n == 0:
+        raise ValueError("input_ids cannot be empty.")
+    bad = [t for t in req.input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input_ids contain ids outside [0, {vocab_size}): {bad[:8]}")
+    if n >= context_length:
+        raise ValueError(
+            f"The input ({n} tokens) is longer than the model's context length "
+            f"({context_length} tokens)."
+        )
+    total = n + req.sampling.max_new_tokens
+    if total > context_length:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {total} tokens: {n} tokens "
+            f"from the input messages and {req.sampling.max_new_tokens} tokens for the "
+            f"completion. Please reduce the number of tokens in the input messages or the "
+            f"completion to fit within the limit."
+        )
+    if req.logprob_start_len > n:
+        raise ValueError(
+            f"req.logprob_start_len={req.logprob_start_len} is higher than the number of input "
+            f"tokens len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len."
+        )
+    if req.sampling.stop:
+        raise ValueError("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
