@@ -11,7 +11,7 @@ Phases (`PHASES`; GPU shapes, `--tiny` shrinks every one):
   attention    cuDNN vs XLA attention inside a 1-layer Qwen3-4B-wide model at 2k/8k tokens (2 right-
                padded rows): hidden-state and gradient differences, ms of forward+backward, bytes;
                cuDNN alone at 16k/23k (XLA would materialise 63 GiB of f32 scores at 23k)
-  train_8k     `Learner.train_step` at 4B width with 4 layers, remat full, float16 compute, at 8,192
+  train_8k     `Learner.update` at 4B width with 4 layers, remat full, float16 compute, at 8,192
   train_23k    and 23,040 tokens: compile s, step s, peak bytes, tokens/s, MFU, extrapolated to 36 layers
   lm_head      the LM-head log-prob + entropy (forward and backward) at each chunk size: ms, bytes
   export       `params.save_pretrained` f32 vs bf16, to DIR and to /dev/shm: s, GB/s, scaled to 36 layers
@@ -284,9 +284,9 @@ def phase_train(s: Sizes, emit: Emitter, out: Path, tokens: int) -> None:
                   attention_mask=np.ones((s.train_rows, tokens), np.float32), loss_mask=loss_mask,
                   advantages=rng.normal(size=(s.train_rows,)).astype(np.float32))
     t0 = time.perf_counter()
-    first = learner.train_step(batch)
+    first = learner.update(batch).metrics
     compile_s = time.perf_counter() - t0
-    times = _timed(lambda: learner.train_step(batch), 2)
+    times = _timed(lambda: learner.update(batch).metrics, 2)
     step_s = statistics.median(times)
     hf = dict(SHAPES[s.model], num_hidden_layers=s.train_layers)
     full = SHAPES[s.model]

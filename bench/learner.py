@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from cleaner_jax.models import params
-from cleaner_jax.rl.batch import Batch, bucket_widths, plan_micro_batches
+from cleaner_jax.rl.batch import Batch, bucket_widths
+from cleaner_jax.rl.plan import micro_batches
 from cleaner_jax.rl import update
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
@@ -176,12 +177,12 @@ def bench_config(bc: BenchConfig, steps: int, rounds: int, peak: float) -> dict[
         np.savez(batch_file, **{k: v for k, v in asdict(batch).items() if v is not None})
 
         t0 = time.perf_counter()
-        learner.train_step(batch)  # compile
+        learner.update(batch)  # compile
         compile_s = time.perf_counter() - t0
-        learner.train_step(batch)
+        learner.update(batch)
         jax_times, torch_times = [], []
         for _ in range(rounds):
-            jax_times += [_timed(lambda: learner.train_step(batch)) for _ in range(steps)]
+            jax_times += [_timed(lambda: learner.update(batch).metrics) for _ in range(steps)]
             torch_times += _torch_times(str(path), batch_file, steps)
     flops = train_flops_per_step(hf, bc.batch, bc.seq)
     jt, tt = statistics.median(jax_times), statistics.median(torch_times)
@@ -201,10 +202,10 @@ def op_profile(bc: BenchConfig, steps: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         _, _, learner, batch = jax_step(bc, tmp)
-        learner.train_step(batch)  # compile
+        learner.update(batch)  # compile
         jax.profiler.start_trace(os.path.join(tmp, "trace"))
         for _ in range(steps):
-            learner.train_step(batch)
+            learner.update(batch)
         jax.profiler.stop_trace()
         [trace] = glob.glob(os.path.join(tmp, "trace", "**", "*.trace.json.gz"), recursive=True)
         events = json.load(gzip.open(trace))["traceEvents"]
@@ -269,8 +270,8 @@ def _step_fn(lr: Learner, cfg: LearnerConfig, loss_scaling: bool) -> Callable[[A
     """The learner's pure train step for `cfg`, jitted without donation so that every call starts
     from the same state (the timing of one variant never depends on another's updates)."""
     tx = update.make_optimizer(cfg.optimizer)
-    fn = jax.jit(lambda params, rest, opt, scaler, batch: update.train_step(
-        lr.graphdef, tx, cfg, params, rest, opt, scaler, batch, loss_scaling=loss_scaling))
+    fn = jax.jit(lambda params, rest, opt, scaler, batch: update.update(
+        lr.graphdef, tx, cfg, params, rest, opt, scaler, batch, loss_scaling=loss_scaling).metrics)
     return lambda batch: jax.block_until_ready(fn(lr.params, lr.rest, lr.opt_state, lr.scaler, batch))
 
 
@@ -347,8 +348,8 @@ def padded_plan(lengths: np.ndarray, mini_batches: int, micro: int, widths: tupl
         w = -(-int(lengths.max()) // width_bucket) * width_bucket
         return [(micro, w)] * (len(lengths) // micro)
     per = len(lengths) // mini_batches
-    return [(len(rows), w) for k in range(mini_batches)
-            for rows, w in plan_micro_batches(lengths[k * per:(k + 1) * per], micro, widths)]
+    return [(len(m.rows), m.width) for k in range(mini_batches)
+            for m in micro_batches(lengths[k * per:(k + 1) * per], micro, widths, int(lengths.max()))]
 
 
 def padding_analysis(steps: int, seed: int = 0, drift: bool = False) -> dict[str, dict[str, float]]:
@@ -416,7 +417,7 @@ def toy_padding_run(steps: int, widths: str, counter: CompileCounter, seed: int 
             batch = learner.add_old_logprobs(batch)
             per = rows // minis
             for k in range(minis):
-                fracs.append(learner.train_step(batch.rows(slice(k * per, (k + 1) * per)))["padded_token_frac"])
+                fracs.append(learner.update(batch.rows(slice(k * per, (k + 1) * per))).metrics["padded_token_frac"])
             times.append(time.perf_counter() - t0)
     return {"compiles": counter.count - c0, "compile_s": counter.seconds - s0, "padded_frac": float(np.mean(fracs)),
             "total_s": sum(times), "median_step_s": statistics.median(times)}

@@ -1,5 +1,7 @@
-"""Memory you can see before renting: an ahead-of-time compile of the learner's real train step
-(`cleaner_jax.rl.update.jit_train_step`, and the no-grad old-log-prob pass `jit_logprobs`) for
+"""Memory you can see before renting: an ahead-of-time compile of the learner's update as one
+program (`cleaner_jax.rl.update.jit_train_steps` of one update: the parameters, Adam moments,
+gradient accumulators and one micro-batch's temporaries that the learner's per-micro-batch
+accumulate and its apply hold at once), and of the no-grad old-log-prob pass `jit_logprobs`, for
 a paper-shaped model on N forced CPU devices, with abstract inputs only (nothing is allocated),
 reporting XLA's per-device byte counts from `compiled.memory_analysis()`.
 
@@ -15,7 +17,7 @@ printed and, with `--out`, appended to a file.
 Why a child process: `--xla_force_host_platform_device_count` must be in XLA_FLAGS before JAX
 initialises its CPU backend, so the parent sets it and re-runs this file with `--child`.
 
-The inputs are what `Learner.train_step` receives on the paper's layout: parameters sharded by
+The inputs are what `Learner.update` receives on the paper's layout: parameters sharded by
 `cleaner_jax.models.sharding` on an (fsdp, tp) mesh, Adam moments sharded like them, one
 mini-batch of `--rows` rows (prompts x group / mini-batches = 512 in the paper) with the fields
 `rl.step` fills (old, rollout and behaviour log-probs, splice kinds), rows split over fsdp.
@@ -123,7 +125,7 @@ def extrapolate(records: list[dict[str, Any]], layers: int) -> dict[str, Any]:
 
 
 def _abstract_learner_inputs(hf: dict[str, Any], args: argparse.Namespace, layers: int) -> dict[str, Any]:
-    """Abstract (ShapeDtypeStruct, sharded) arguments of `update.jit_train_step` / `update.jit_logprobs`."""
+    """Abstract (ShapeDtypeStruct, sharded) arguments of `update.jit_train_steps` / `update.jit_logprobs`."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -219,6 +221,7 @@ def install_flash_standin() -> None:
 def compile_one(hf: dict[str, Any], args: argparse.Namespace, layers: int, program: str) -> dict[str, Any]:
     """Lower and compile one program (`train_step` or `logprobs`) at `layers`; its byte counts."""
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from cleaner_jax.rl import update
 
@@ -226,8 +229,10 @@ def compile_one(hf: dict[str, Any], args: argparse.Namespace, layers: int, progr
     t0 = time.perf_counter()
     with jax.set_mesh(x["mesh"]):
         if program == "train_step":
-            lowered = update.jit_train_step.lower(
-                x["params"], x["rest"], x["opt"], x["scaler"], x["batch"], graphdef=x["graphdef"], cfg=x["cfg"],
+            one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype, sharding=NamedSharding(
+                x["mesh"], PartitionSpec(None, *a.sharding.spec))), x["batch"])  # [1, rows, ...]: one update
+            lowered = update.jit_train_steps.lower(
+                x["params"], x["rest"], x["opt"], x["scaler"], one, graphdef=x["graphdef"], cfg=x["cfg"],
                 layout=x["layout"], loss_scaling=x["loss_scaling"])
         else:
             b = x["batch"]
@@ -292,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3_4b")
     p.add_argument("--layers", default="1,2", help="comma-separated layer counts to compile (two or more: extrapolate)")
     p.add_argument("--seq", type=int, default=2048, help="tokens per row (the padded width)")
-    p.add_argument("--rows", type=int, default=512, help="rows of the mini-batch one train_step gets (paper: 512)")
+    p.add_argument("--rows", type=int, default=512, help="rows of the mini-batch one update gets (paper: 512)")
     p.add_argument("--micro-batch", type=int, default=4, help="algo.micro_batch_size (paper: 4)")
     p.add_argument("--logprob-micro-batch", type=int, default=None, help="default: --micro-batch (as wiring does)")
     p.add_argument("--logprob-chunk", type=int, default=1024, help="algo.logprob_chunk")

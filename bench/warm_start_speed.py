@@ -1,4 +1,4 @@
-"""The toy warm start's NLL fit: one `Learner.train_step` per step over the whole-sequence
+"""The toy warm start's NLL fit: one `Learner.update` per step over the whole-sequence
 attention with the RL learner's LM-head chunks (`algo.logprob_chunk`: the loop before issue 28 item 2)
 against `toy.warm_start.fit` (STEPS_PER_CALL steps per compiled call, the config's
 `warmup_sft.attention_block` query blocks and `warmup_sft.logprob_chunk` chunks), measured in the same run
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         timing, losses = {}, {}
         old = learner(0, c.algo.logprob_chunk)  # the 12-02 fit read the RL learner's chunking
         c0, t0 = time.process_time(), time.perf_counter()
-        out = [old.train_step(batch.rows(rows[0]))["loss"]]
+        out = [old.update(batch.rows(rows[0])).metrics["loss"]]
         t1 = time.perf_counter()
-        out += [old.train_step(batch.rows(r))["loss"] for r in rows[1:]]
+        out += [old.update(batch.rows(r)).metrics["loss"] for r in rows[1:]]
         t2 = time.perf_counter()
         cpu = {"old": time.process_time() - c0}
         timing["old"], losses["old"] = (t1 - t0, (t2 - t1) / max(args.steps - 1, 1), t2 - t0), np.asarray(out)

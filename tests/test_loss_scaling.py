@@ -117,17 +117,17 @@ def test_disabled_state_is_scale_one():
 def test_fp16_overflow_is_skipped_bit_identically_and_halves_the_scale(ckpt):
     lr = learner(ckpt, "float16")
     assert lr.loss_scaling and lr.loss_scale == 2.0 ** 16
-    lr.train_step(make_batch(1))  # a normal update first, so the Adam moments are not zeros
+    lr.update(make_batch(1))  # a normal update first, so the Adam moments are not zeros
     assert lr.step == 1
     before, scale = state_np(lr), lr.loss_scale
     # an advantage of 100 is harmless in f32 (below), but 100 * 2^16 overflows float16's 65504
-    m = lr.train_step(make_batch(2, advantage=100.0))
+    m = lr.update(make_batch(2, advantage=100.0)).metrics
     assert m["skipped"] == 1.0 and m["loss_scale"] == scale
     assert not np.isfinite(m["grad_norm"])
     assert_bit_identical(before, state_np(lr))
     assert lr.loss_scale == scale / 2
     assert (lr.step, lr.skipped_steps, lr.consecutive_skips, lr.skipped_calls) == (1, 1, 1, [1])
-    m = lr.train_step(make_batch(3))  # a finite update resets the run of skips and keeps the scale
+    m = lr.update(make_batch(3)).metrics  # a finite update resets the run of skips and keeps the scale
     assert m["skipped"] == 0.0 and lr.loss_scale == scale / 2
     assert (lr.step, lr.skipped_steps, lr.consecutive_skips) == (2, 1, 0)
 
@@ -137,7 +137,7 @@ def test_f32_and_bf16_never_scale(ckpt, dtype):
     lr = learner(ckpt, dtype, init_scale=1024.0, growth_interval=1)
     assert not lr.loss_scaling and lr.loss_scale == 1.0
     for seed, adv in ((1, None), (2, 100.0), (3, None)):  # the batch that overflows float16 is fine here
-        m = lr.train_step(make_batch(seed, adv))
+        m = lr.update(make_batch(seed, adv)).metrics
         assert m["skipped"] == 0.0 and m["loss_scale"] == 1.0 and np.isfinite(m["grad_norm"])
     assert lr.loss_scale == 1.0 and int(lr.scaler.good_steps) == 0  # growth_interval=1 had no effect
     assert (lr.step, lr.skipped_steps) == (3, 0)
@@ -146,10 +146,10 @@ def test_f32_and_bf16_never_scale(ckpt, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_non_finite_loss_is_skipped_in_every_dtype(ckpt, dtype):
     lr = learner(ckpt, dtype)
-    lr.train_step(make_batch(1))
+    lr.update(make_batch(1))
     before, scale = state_np(lr), lr.loss_scale
     # each token's loss is finite (|A| < f32 max), their sum over the batch is not: inf loss
-    m = lr.train_step(make_batch(2, advantage=3e38))
+    m = lr.update(make_batch(2, advantage=3e38)).metrics
     assert m["skipped"] == 1.0 and not np.isfinite(m["loss"])
     assert_bit_identical(before, state_np(lr))
     assert lr.loss_scale == (scale / 2 if dtype == "float16" else 1.0)
@@ -158,7 +158,7 @@ def test_non_finite_loss_is_skipped_in_every_dtype(ckpt, dtype):
 
 def test_scale_grows_after_the_interval(ckpt):
     lr = learner(ckpt, "float16", init_scale=256.0, growth_interval=2)
-    used = [lr.train_step(make_batch(s))["loss_scale"] for s in range(5)]
+    used = [lr.update(make_batch(s)).metrics["loss_scale"] for s in range(5)]
     assert used == [256.0, 256.0, 512.0, 512.0, 1024.0]
     assert lr.loss_scale == 1024.0 and int(lr.scaler.good_steps) == 1
 
@@ -166,8 +166,8 @@ def test_scale_grows_after_the_interval(ckpt):
 def test_scaled_fp16_gradient_is_the_unscaled_one(ckpt):
     """The scale is divided out: the fp16 step's gradient norm and loss match a float32 step."""
     b = make_batch(4)
-    m16 = learner(ckpt, "float16").train_step(b)
-    m32 = learner(ckpt, "float32").train_step(b)
+    m16 = learner(ckpt, "float16").update(b).metrics
+    m32 = learner(ckpt, "float32").update(b).metrics
     assert m16["skipped"] == 0.0 and m16["loss_scale"] == 2.0 ** 16
     assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=2e-2)
     assert m16["loss"] == pytest.approx(m32["loss"], rel=2e-2, abs=1e-3)
@@ -177,9 +177,9 @@ def test_scaler_state_survives_a_checkpoint(ckpt, tmp_path):
     batches = [make_batch(10), make_batch(11, advantage=100.0), make_batch(12), make_batch(13), make_batch(14)]
     a = learner(ckpt, "float16", checkpoint_dir=tmp_path / "ck", growth_interval=2)
     for b in batches[:3]:
-        a.train_step(b)
+        a.update(b)
     a.save(3, {"data_position": 5})
-    expected = [a.train_step(b) for b in batches[3:]]
+    expected = [a.update(b).metrics for b in batches[3:]]
     expected_state, expected_scale = state_np(a), a.loss_scale
     a.close()
     assert expected_scale == 2.0 ** 16  # halved once (batch 11), doubled after 2 finite updates (12, 13)
@@ -189,7 +189,7 @@ def test_scaler_state_survives_a_checkpoint(ckpt, tmp_path):
     assert (step, extra) == (3, {"data_position": 5})
     assert (b.loss_scale, int(b.scaler.good_steps), b.skipped_steps, b.consecutive_skips, b.step) == (
         2.0 ** 15, 1, 1, 0, 2)
-    assert [b.train_step(x) for x in batches[3:]] == expected
+    assert [b.update(x).metrics for x in batches[3:]] == expected
     assert_bit_identical(expected_state, state_np(b))
     b.close()
 
@@ -202,8 +202,8 @@ def test_a_checkpoint_without_scaler_state_restores_with_a_warning(ckpt, tmp_pat
     old.wait()
     old.close()
     b = learner(ckpt, "float16", checkpoint_dir=tmp_path / "old", init_scale=8.0)
-    b.train_step(make_batch(1))  # move the weights away from the saved ones
-    b.train_step(make_batch(2, advantage=3e38))  # and skip once (scale 4, counters 1), to see the reset
+    b.update(make_batch(1))  # move the weights away from the saved ones
+    b.update(make_batch(2, advantage=3e38))  # and skip once (scale 4, counters 1), to see the reset
     assert b.restore() == (1, {"data_position": 3})
     assert "no loss-scaler state" in caplog.text
     assert (b.step, b.loss_scale, int(b.scaler.good_steps), b.skipped_steps, b.consecutive_skips) == (4, 8.0, 0, 0, 0)
@@ -236,14 +236,14 @@ def test_consecutive_skips_stop_the_run_after_a_checkpoint(ckpt, tmp_path):
     from cleaner_jax.train_steps import NonFiniteTrainingError, stop_if_stuck
 
     lr = learner(ckpt, "float32", checkpoint_dir=tmp_path / "ck")
-    lr.train_step(make_batch(1))
+    lr.update(make_batch(1))
     good = state_np(lr)
     ids = [["p0/0", "p0/1"]]
     for k in range(2):
-        lr.train_step(make_batch(2 + k, advantage=3e38))
+        lr.update(make_batch(2 + k, advantage=3e38))
         stop_if_stuck(lr, 3, step=k + 1, extra_state={"data_position": k}, skipped_ids=ids)  # not yet
     assert lr.latest_checkpoint() is None
-    lr.train_step(make_batch(4, advantage=3e38))
+    lr.update(make_batch(4, advantage=3e38))
     with pytest.raises(NonFiniteTrainingError, match=r"3 optimizer updates in a row .*max_consecutive_skips=3.*"
                                                      r"checkpoint 7 is written.*p0/0, p0/1"):
         stop_if_stuck(lr, 3, step=7, extra_state={"data_position": 9}, skipped_ids=ids)
@@ -288,9 +288,9 @@ def test_sharded_fp16_learner_skips_and_scales_like_one_device(ckpt, tmp_path):
     lr = Learner(params.from_pretrained(ckpt, mesh=mesh, param_dtype="float32", compute_dtype="float16"), cfg,
                  mesh=mesh, checkpoint_dir=tmp_path / "ck")
     seen = [(m["skipped"], m["loss_scale"]) for m in
-            (lr.train_step(make_batch(1)), lr.train_step(make_batch(2, advantage=100.0)), lr.train_step(make_batch(3)))]
+            (lr.update(make_batch(1)).metrics, lr.update(make_batch(2, advantage=100.0)).metrics, lr.update(make_batch(3)).metrics)]
     assert seen == [(0.0, 2.0 ** 16), (1.0, 2.0 ** 16), (0.0, 2.0 ** 15)]
     lr.save(3)
     lr.restore()  # the restored scaler is placed on the mesh again: the next step runs
-    assert lr.train_step(make_batch(4))["loss_scale"] == 2.0 ** 15
+    assert lr.update(make_batch(4)).metrics["loss_scale"] == 2.0 ** 15
     lr.close()

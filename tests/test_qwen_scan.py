@@ -244,7 +244,7 @@ def test_learner_update_with_scanned_layers_equals_the_unrolled_learner(tmp_path
     results = []
     for overrides in (dict(), dict(scan_layers=True, attention_impl="xla_causal", remat="full")):
         learner = Learner(params.from_pretrained(ckpt, **overrides), lcfg)
-        metrics = learner.train_step(batch)
+        metrics = learner.update(batch).metrics
         results.append((metrics, flat_params(learner.model())))
     (m1, p1), (m2, p2) = results
     assert m1["grad_norm"] > 0

@@ -3,12 +3,14 @@ the widths each rule names (by hand), the micro-batch plan against brute-force e
 every partition, and the bucketed learner against the padded one (log-probs, loss, metrics,
 gradients through the updated parameters, float16 loss scale and the non-finite skip), the
 number of compiles, and the config keys (bucket widths, compilation cache)."""
+import dataclasses
 import itertools
 import subprocess
 import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +19,8 @@ from cleaner_jax import wiring
 from cleaner_jax.config import ConfigError
 from cleaner_jax.models import params, sharding
 from cleaner_jax.rl import update
-from cleaner_jax.rl.batch import Batch, at_width, bucket_widths, padded_fraction, parse_widths, plan_micro_batches
+from cleaner_jax.rl.batch import Batch, at_width, bucket_widths, parse_widths
+from cleaner_jax.rl.plan import micro_batches, padded_fraction
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
@@ -72,7 +75,7 @@ def test_plan_is_optimal_against_every_partition():
     for trial in range(30):
         n, mb = (6, 2) if trial % 2 else (6, 3)
         lengths = rng.integers(1, 33, size=n)
-        plan = plan_micro_batches(lengths, mb, widths)
+        plan = [(m.rows, m.width) for m in micro_batches(lengths, mb, widths, width=32)]
         assert sorted(np.concatenate([rows for rows, _ in plan]).tolist()) == list(range(n))
         assert all(len(rows) == mb and w == _bucket(lengths[rows].max(), widths) for rows, w in plan)
         best = min(
@@ -81,9 +84,11 @@ def test_plan_is_optimal_against_every_partition():
             for groups in [[perm[i:i + mb] for i in range(0, n, mb)]])
         assert sum(mb * w for _, w in plan) == best
     with pytest.raises(ValueError, match="longer than the largest bucket width 32"):
-        plan_micro_batches(np.array([3, 33]), 2, widths)
+        micro_batches(np.array([3, 33]), 2, widths, width=40)
     with pytest.raises(ValueError, match="do not split into micro-batches of 4"):
-        plan_micro_batches(np.array([3, 5, 6]), 4, widths)
+        micro_batches(np.array([3, 5, 6]), 4, widths, width=32)
+    # without bucket widths every micro-batch has the batch's own width (the padded plan)
+    assert [m.width for m in micro_batches(np.array([3, 9, 5, 1]), 2, (), width=12)] == [12, 12]
 
 
 def test_at_width_cuts_and_pads_two_d_leaves_only():
@@ -145,6 +150,39 @@ def test_bucketed_logprobs_equal_padded(ckpt):
         Learner(params.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask[:, ::-1])
 
 
+@pytest.mark.parametrize("widths", ["", WIDTHS])
+def test_the_one_path_equals_the_old_padded_program(ckpt, widths):
+    """The reference is the program the learner ran before it had one path: the whole mini-batch
+    at one width, its strided micro-batches in one `lax.scan` (`rl.update.train_step`, here
+    through `jit_train_steps` of one update), and pi_old from the no-grad pass over the batch
+    (`jit_logprobs`). The one path (padded plan: one width; bucketed: WIDTHS) gives the same
+    metrics, the same parameters and Adam moments, and, as `UpdateResult.logprobs`, the same
+    log-probs, up to float rounding."""
+    batch = make_batch(4)
+    ref = Learner(params.from_pretrained(ckpt), cfg())
+    c = ref.cfg
+    old = np.asarray(update.jit_logprobs(ref.params, ref.rest, jnp.asarray(batch.input_ids),
+                                         jnp.asarray(batch.attention_mask), graphdef=ref.graphdef,
+                                         micro_batch_size=c.logprob_micro_batch_size, temperature=c.temperature,
+                                         chunk_size=c.logprob_chunk_size))
+    stacked = jax.tree.map(lambda x: x[None], dataclasses.replace(batch, old_logprobs=old))
+    new_params, new_opt, _, want = update.jit_train_steps(
+        ref.params, ref.rest, ref.opt_state, ref.scaler, stacked, graphdef=ref.graphdef, cfg=c, layout=None,
+        loss_scaling=False)
+    want = {k: float(v[0]) for k, v in jax.device_get(want).items()}
+    want_state = [np.array(x) for x in jax.tree.leaves((new_params, new_opt))]
+    lr = Learner(params.from_pretrained(ckpt), cfg(widths))
+    got = lr.update(dataclasses.replace(batch, old_logprobs=None))  # pi_old = the update's own forward
+    real = batch.attention_mask > 0
+    np.testing.assert_allclose(got.logprobs[real], old[real], atol=1e-5)
+    assert np.all(got.logprobs[~real] == 0)
+    for k, v in want.items():
+        assert got.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert want["skipped"] == 0.0 and got.metrics["ratio_max"] == 1.0  # pi_old is exactly the update's forward
+    for x, y in zip(want_state, state_np(lr)):
+        np.testing.assert_allclose(y, x, atol=2e-6)
+
+
 @pytest.mark.parametrize("loss", [dict(tis="sequence", splice_correction="tis"),
                                   dict(agg="seq-mean-token-mean", entropy_coef=0.01, dual_clip_c=None)])
 def test_bucketed_update_equals_padded(ckpt, loss):
@@ -156,7 +194,7 @@ def test_bucketed_update_equals_padded(ckpt, loss):
         metrics = []
         for seed in (2, 3)[:1 if "agg" in loss else 2]:  # the second variant: one update is enough
             batch = lr.add_old_logprobs(make_batch(seed))
-            metrics.append(lr.train_step(batch))
+            metrics.append(lr.update(batch).metrics)
         results.append((metrics, state_np(lr)))
     (m_pad, s_pad), (m_bkt, s_bkt) = results
     for a, b in zip(m_pad, m_bkt):
@@ -181,9 +219,9 @@ def test_bucketed_fp16_loss_scale_and_skip_equal_padded(ckpt):
     runs = []
     for widths in ("", WIDTHS):
         lr = Learner(params.from_pretrained(ckpt, param_dtype="float32", compute_dtype="float16"), cfg(widths))
-        m1 = lr.train_step(make_batch(4))
+        m1 = lr.update(make_batch(4)).metrics
         before = state_np(lr)
-        m2 = lr.train_step(make_batch(5, advantage=100.0))  # 100 * 2^16 overflows float16
+        m2 = lr.update(make_batch(5, advantage=100.0)).metrics  # 100 * 2^16 overflows float16
         assert all(a.tobytes() == b.tobytes() for a, b in zip(before, state_np(lr)))
         runs.append((m1, m2, lr.loss_scale, lr.skipped_steps, state_np(lr)))
     (a1, a2, sa, ka, pa), (b1, b2, sb, kb, pb) = runs
@@ -197,9 +235,9 @@ def test_bucketed_fp16_loss_scale_and_skip_equal_padded(ckpt):
 
 def test_non_finite_loss_is_skipped_when_bucketed(ckpt):
     lr = Learner(params.from_pretrained(ckpt), cfg(WIDTHS))
-    lr.train_step(make_batch(6))
+    lr.update(make_batch(6))
     before = state_np(lr)
-    m = lr.train_step(make_batch(7, advantage=3e38))  # each token finite, the sum is not
+    m = lr.update(make_batch(7, advantage=3e38)).metrics  # each token finite, the sum is not
     assert m["skipped"] == 1.0 and not np.isfinite(m["loss"])
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, state_np(lr)))
     assert (lr.step, lr.consecutive_skips) == (1, 1)
@@ -215,21 +253,21 @@ def test_compiles_are_bounded_by_the_widths(ckpt):
     for seed in range(3):
         lengths = rng.integers(3, T + 1, size=B)
         lengths[seed % B] = [5, 33, 40][seed]
-        lr.train_step(lr.add_old_logprobs(make_batch(seed, lengths)))
+        lr.update(lr.add_old_logprobs(make_batch(seed, lengths)))
     grown = (acc._cache_size() - before[0], apply._cache_size() - before[1], lp._cache_size() - before[2])
     assert grown[0] <= 3 and grown[1] <= 1 and grown[2] <= 3
     seen = (acc._cache_size(), apply._cache_size(), lp._cache_size())
-    lr.train_step(lr.add_old_logprobs(make_batch(9, np.array([3, 4, 5, 6, 20, 21, 39, 40]))))
+    lr.update(lr.add_old_logprobs(make_batch(9, np.array([3, 4, 5, 6, 20, 21, 39, 40]))))
     assert (acc._cache_size(), apply._cache_size(), lp._cache_size()) == seen
 
 
 def test_sharded_bucketed_step_equals_single_device(ckpt):
     batch = make_batch(10)
     single = Learner(params.from_pretrained(ckpt), cfg(WIDTHS, mb=4))
-    m1 = single.train_step(single.add_old_logprobs(batch))
+    m1 = single.update(single.add_old_logprobs(batch)).metrics
     mesh = sharding.make_mesh(2, 2)
     sharded = Learner(params.from_pretrained(ckpt, mesh=mesh), cfg(WIDTHS, mb=4), mesh=mesh)
-    m2 = sharded.train_step(sharded.add_old_logprobs(batch))
+    m2 = sharded.update(sharded.add_old_logprobs(batch)).metrics
     for k in m1:
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     leaf = sharded.params["layers"][0]["mlp"]["up_proj"]["kernel"][...]
@@ -237,7 +275,7 @@ def test_sharded_bucketed_step_equals_single_device(ckpt):
     for a, b in zip(jax.tree.leaves(single.params), jax.tree.leaves(sharded.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
     seen = (update.jit_accumulate._cache_size(), update.jit_apply._cache_size())
-    sharded.train_step(sharded.add_old_logprobs(make_batch(11)))  # same widths: no recompile on the mesh
+    sharded.update(sharded.add_old_logprobs(make_batch(11)))  # same widths: no recompile on the mesh
     assert (update.jit_accumulate._cache_size(), update.jit_apply._cache_size()) == seen
     with pytest.raises(ValueError, match=r"micro_batch_size=2 is not a multiple of the fsdp mesh axis \(4\)"):
         mesh4 = sharding.make_mesh(4, 1)
@@ -280,12 +318,12 @@ def test_compilation_cache_dir_is_set_and_checked(tmp_path):
     f.write_text("")
     c.train.compilation_cache_dir = str(f)
     with pytest.raises(ConfigError, match=r"^config\.train\.compilation_cache_dir: .* is not a usable directory"):
-        run_config.validate(c)
-    # in a fresh process (the cache is read once per process): the directory fills with programs
-    cache = tmp_path / "xla"
         run_config.check_environment(run_config.validate(c))  # an existing file: the start-up check's
     c.train.compilation_cache_dir = ""
     with pytest.raises(ConfigError, match=r"^config\.train\.compilation_cache_dir: '' is not a usable directory"):
+        run_config.validate(c)
+    # in a fresh process (the cache is read once per process): the directory fills with programs
+    cache = tmp_path / "xla"
     code = textwrap.dedent(f"""
         import jax, jax.numpy as jnp
         from cleaner_jax.config import base_config, validate

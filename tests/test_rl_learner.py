@@ -88,7 +88,7 @@ def test_one_update_matches_torch_adamw(ckpt):
 
     batch = make_batch(2)
     learner = Learner(params.from_pretrained(ckpt), cfg())
-    metrics = learner.train_step(batch)
+    metrics = learner.update(batch).metrics
     new = learner.model()
 
     tm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -124,7 +124,7 @@ def test_micro_batches_equal_one_big_batch(ckpt):
         full = learner.add_old_logprobs(batch)
         noise = 0.05 * np.random.default_rng(1).normal(size=(B, T)).astype(np.float32)
         full = dataclasses.replace(full, old_logprobs=full.old_logprobs + noise, rollout_logprobs=rollout)
-        results.append((learner.train_step(full), params_np(learner)))
+        results.append((learner.update(full).metrics, params_np(learner)))
     (m1, p1), (m2, p2) = results
     assert m1.keys() == m2.keys()
     for k in m1:
@@ -145,7 +145,7 @@ def test_padding_and_masked_tokens_do_not_matter(ckpt):
     out = []
     for b in (base, poisoned):
         learner = Learner(params.from_pretrained(ckpt), cfg())
-        out.append((learner.train_step(b), params_np(learner)))
+        out.append((learner.update(b).metrics, params_np(learner)))
     for k in out[0][0]:
         assert out[1][0][k] == pytest.approx(out[0][0][k], rel=1e-5, abs=1e-7), k
     for a, b in zip(out[0][1], out[1][1]):
@@ -155,10 +155,10 @@ def test_padding_and_masked_tokens_do_not_matter(ckpt):
 def test_sharded_step_equals_single_device(ckpt):
     batch = make_batch(5)
     single = Learner(params.from_pretrained(ckpt), cfg(micro_batch_size=4))
-    m1 = single.train_step(single.add_old_logprobs(batch))
+    m1 = single.update(single.add_old_logprobs(batch)).metrics
     mesh = sharding.make_mesh(2, 2)
     sharded = Learner(params.from_pretrained(ckpt, mesh=mesh), cfg(micro_batch_size=4), mesh=mesh)
-    m2 = sharded.train_step(sharded.add_old_logprobs(batch))
+    m2 = sharded.update(sharded.add_old_logprobs(batch)).metrics
     for k in m1:
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     leaf = sharded.params["layers"][0]["mlp"]["up_proj"]["kernel"][...]
@@ -170,9 +170,9 @@ def test_sharded_step_equals_single_device(ckpt):
 def test_missing_old_logprobs_means_current_policy(ckpt):
     batch = make_batch(6)
     a = Learner(params.from_pretrained(ckpt), cfg())
-    ma = a.train_step(batch)
+    ma = a.update(batch).metrics
     b = Learner(params.from_pretrained(ckpt), cfg())
-    mb = b.train_step(b.add_old_logprobs(batch))
+    mb = b.update(b.add_old_logprobs(batch)).metrics
     assert ma["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5, abs=1e-7)
 
@@ -184,7 +184,7 @@ def test_gap_metrics_with_rollout_logprobs(ckpt):
     m = batch.loss_mask > 0
     shift = np.where(np.arange(T)[None] % 2 == 0, 0.2, 0.0).astype(np.float32)  # half of the tokens off by 0.2
     with_old = dataclasses.replace(with_old, rollout_logprobs=with_old.old_logprobs - shift)
-    metrics = learner.train_step(with_old)
+    metrics = learner.update(with_old).metrics
     d = np.broadcast_to(shift, (B, T))[m]
     assert metrics["gap/abs_diff"] == pytest.approx(d.mean(), rel=1e-4)
     assert metrics["gap/frac_outside_band"] == pytest.approx((np.exp(d) > 1.1).mean())
@@ -196,12 +196,12 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path):
     ck = str(tmp_path / "ckpt")
     batches = [make_batch(s) for s in (10, 11, 12)]
     a = Learner(params.from_pretrained(ckpt), c, checkpoint_dir=ck)
-    a.train_step(a.add_old_logprobs(batches[0]))
-    a.train_step(a.add_old_logprobs(batches[1]))
+    a.update(a.add_old_logprobs(batches[0]))
+    a.update(a.add_old_logprobs(batches[1]))
     batches[2] = a.add_old_logprobs(batches[2])
     rng_state = np.random.default_rng(5).bit_generator.state
     a.save(2, {"data_position": 17, "rng": rng_state})
-    expected = a.train_step(batches[2])
+    expected = a.update(batches[2]).metrics
     expected_params = params_np(a)
     a.close()
 
@@ -209,7 +209,7 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path):
     step, extra = b.restore()
     assert step == 2 and extra["data_position"] == 17 and extra["rng"] == rng_state
     assert b.step == 2
-    got = b.train_step(batches[2])
+    got = b.update(batches[2]).metrics
     assert got == expected  # identical, including lr from the restored update count
     for x, y in zip(expected_params, params_np(b)):
         np.testing.assert_array_equal(x, y)
@@ -226,23 +226,23 @@ def test_bad_batches_raise(ckpt):
     learner = Learner(params.from_pretrained(ckpt), cfg(micro_batch_size=4))
     batch = make_batch(0)
     with pytest.raises(TypeError, match="expected cleaner_jax.rl.batch.Batch, got dict"):
-        learner.train_step(dataclasses.asdict(batch))  # the old dict batches are refused, not guessed at
+        learner.update(dataclasses.asdict(batch))  # the old dict batches are refused, not guessed at
     with pytest.raises(TypeError, match="labels"):
         Batch(**dataclasses.asdict(batch), labels=batch.input_ids)
     with pytest.raises(ValueError, match="input_ids is required"):
-        learner.train_step(dataclasses.replace(batch, input_ids=None))
+        learner.update(dataclasses.replace(batch, input_ids=None))
     with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(8, 23\)"):
-        learner.train_step(dataclasses.replace(batch, rollout_logprobs=np.zeros((B, T - 1), np.float32)))
+        learner.update(dataclasses.replace(batch, rollout_logprobs=np.zeros((B, T - 1), np.float32)))
     loss = batch.loss_mask.copy()
     loss[0, 0] = 1
     with pytest.raises(ValueError, match=r"loss_mask\[:, 0\]"):
-        learner.train_step(dataclasses.replace(batch, loss_mask=loss))
+        learner.update(dataclasses.replace(batch, loss_mask=loss))
     with pytest.raises(ValueError, match="right-padded"):
-        learner.train_step(dataclasses.replace(batch, attention_mask=batch.attention_mask[:, ::-1].copy()))
+        learner.update(dataclasses.replace(batch, attention_mask=batch.attention_mask[:, ::-1].copy()))
     with pytest.raises(ValueError, match="advantages is not finite"):
-        learner.train_step(dataclasses.replace(batch, advantages=np.full(B, np.nan, np.float32)))
+        learner.update(dataclasses.replace(batch, advantages=np.full(B, np.nan, np.float32)))
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        learner.train_step(batch.rows(slice(0, 6)))
+        learner.update(batch.rows(slice(0, 6)))
     with pytest.raises(RuntimeError, match="checkpoint_dir"):
         learner.save(1, {})
     with pytest.raises(ValueError, match="temperature"):

@@ -86,7 +86,7 @@ def test_nll_through_the_step_trains_only_the_chosen_trajectories(ckpt, which, r
     assert got["learner/loss"] == pytest.approx(-lp[chosen].mean(), rel=1e-5)
     assert got["learner/loss_denominator"] == chosen.sum()
     # and the update is that of imitating those rows alone (the others' loss mask set to 0)
-    only.train_step(batch.__class__(**{**batch.__dict__, "loss_mask": np.where(chosen, 1.0, 0.0).astype(np.float32)}))
+    only.update(batch.__class__(**{**batch.__dict__, "loss_mask": np.where(chosen, 1.0, 0.0).astype(np.float32)}))
     for x, y in zip(jax.tree.leaves(stepped.params), jax.tree.leaves(only.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
 

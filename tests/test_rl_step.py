@@ -11,7 +11,9 @@ from cleaner_jax.models import params
 from cleaner_jax.rl.batch import Batch
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
+from cleaner_jax.rl.learner import UpdateResult
 from cleaner_jax.rl.losses import LossOutput
+from cleaner_jax.rl.plan import plan_step
 from cleaner_jax.rl.step import (StepConfig, build_batch, group_advantages, minibatch_update, rl_step,
                                  rl_step_outputs, shaped_rewards, with_old_logprobs)
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -108,23 +110,32 @@ class RecordingLearner:
     def __init__(self):
         self.seen = []
 
-    def update(self, batch):
+    def update(self, batch, plan):
         """A loss of sum(advantages) over the block's rows, as sums, and a per-update lr."""
-        self.seen.append(np.asarray(batch.advantages).copy())
+        self.seen.append(np.asarray(batch.advantages)[np.concatenate([m.rows for m in plan])].copy())
         sums = LossOutput(np.float32(np.sum(batch.advantages)), np.float32(batch.num_rows), {}, {}, {})
-        return {"loss": float(np.sum(batch.advantages)) / batch.num_rows, "lr": 0.1 * len(self.seen)}, sums
+        metrics = {"loss": float(np.sum(batch.advantages)) / batch.num_rows, "lr": 0.1 * len(self.seen)}
+        return UpdateResult(metrics, sums, np.zeros(np.shape(batch.input_ids), np.float32))
+
+
+def plan_of(batch, mini_batches, old_logprobs=False, micro=2):
+    return plan_step(batch.lengths, batch.input_ids.shape[1], mini_batches=mini_batches, micro_batch_size=micro,
+                     logprob_micro_batch_size=micro, widths=(), old_logprobs=old_logprobs)
 
 
 def test_minibatch_update_averages_over_consecutive_blocks():
     adv = np.arange(8, dtype=np.float32)
     b = Batch(np.ones((8, 4), np.int32), np.ones((8, 4), np.float32), np.zeros((8, 4), np.float32), adv)
     learner = RecordingLearner()
-    m = minibatch_update(learner, b, mini_batches=4)
+    m, same = minibatch_update(learner, b, plan_of(b, 4))
+    assert same is b  # no old log-probs to fill in
     assert [list(a) for a in learner.seen] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # the loss over all 8 rows' sums (0 + 1 + ... + 7) / 8; the lr the mean of the 4 updates'
     assert m == {"learner/loss": pytest.approx(28 / 8), "learner/lr": pytest.approx(0.25)}
     with pytest.raises(ValueError, match="do not split into mini_batches=3"):
-        minibatch_update(learner, b, mini_batches=3)
+        plan_of(b, 3)
+    with pytest.raises(ValueError, match="the batch has 6 rows, the plan 4 x 2"):
+        minibatch_update(learner, b.rows(slice(0, 6)), plan_of(b, 4))
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +179,17 @@ def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
     batch = Batch(ids, attn, loss, np.array([r[2] for r in rows], np.float32), rollout_logprobs=rollout,
                   behaviour_logprobs=rollout, splice_kind=np.zeros((4, 128), np.int32),
                   correct=np.array([1, 0, 1, 0], np.float32))
-    old = hand.logprobs(ids, attn) if mode == "recompute" else rollout
-    batch = dataclasses.replace(batch, old_logprobs=old)
-    (m1, p1), (m2, p2) = hand.update(batch.rows(slice(0, 2))), hand.update(batch.rows(slice(2, 4)))
+    if mode == "recompute":  # the second block's pi_old by the no-grad pass; the first's is its update's forward
+        before = hand.logprobs(ids, attn)
+        old = np.concatenate([np.zeros((2, 128), np.float32), hand.logprobs(ids[2:], attn[2:])])
+        batch = dataclasses.replace(batch, old_logprobs=old)
+        r1 = hand.update(dataclasses.replace(batch.rows(slice(0, 2)), old_logprobs=None))
+        np.testing.assert_allclose(r1.logprobs, before[:2], atol=1e-5)  # the update's forward is pi_old
+    else:
+        batch = dataclasses.replace(batch, old_logprobs=rollout)
+        r1 = hand.update(batch.rows(slice(0, 2)))
+    r2 = hand.update(batch.rows(slice(2, 4)))
+    (m1, p1), (m2, p2) = (r1.metrics, r1.sums), (r2.metrics, r2.sums)
 
     # per-update values: the mean of the two updates; per-token metrics: both updates' sums over
     # both counts; maxima: the larger; the loss: both loss sums over both denominators
@@ -305,12 +324,17 @@ class FakeLearner:
     def __init__(self):
         self.batches = []
 
-    def add_old_logprobs(self, batch):
-        return dataclasses.replace(batch, old_logprobs=np.zeros_like(batch.rollout_logprobs))
+    def plan(self, lengths, width, mini_batches, old_logprobs):
+        return plan_step(lengths, width, mini_batches=mini_batches, micro_batch_size=1, logprob_micro_batch_size=1,
+                         widths=(), old_logprobs=old_logprobs)
 
-    def update(self, batch):
+    def logprobs(self, input_ids, attention_mask, plan):
+        return np.zeros(np.shape(input_ids), np.float32)
+
+    def update(self, batch, plan):
         self.batches.append(batch)
-        return {"tokens": float(np.sum(batch.loss_mask))}, LossOutput(np.float32(0), np.float32(1), {}, {}, {})
+        return UpdateResult({"tokens": float(np.sum(batch.loss_mask))}, LossOutput(np.float32(0), np.float32(1), {}, {},
+                                                                                   {}), np.zeros(batch.loss_mask.shape))
 
 
 def options_episodes():
@@ -381,7 +405,7 @@ def test_a_mini_batch_without_spliced_tokens_does_not_dilute_the_spliced_gap(ckp
     old[3, 4] += 0.5  # the largest non-spliced gap, second mini-batch
     batch = Batch(ids, attn, loss, np.array([1.0, -1.0, 0.5, -0.5], np.float32), old_logprobs=old,
                   rollout_logprobs=rollout, behaviour_logprobs=rollout, splice_kind=kind)
-    got = minibatch_update(learner_of(ckpt), batch, mini_batches=2)
+    got, _ = minibatch_update(learner_of(ckpt), batch, plan_of(batch, 2))
     assert got["learner/gap/spliced/abs_diff"] == pytest.approx((0.3 + 0.1 + 0.2) / 3, rel=1e-5)
     assert got["learner/gap/spliced/abs_diff_max"] == pytest.approx(0.3, rel=1e-5)
     # non-spliced: 3 + 6 tokens in the first mini-batch, 12 in the second

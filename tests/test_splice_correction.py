@@ -128,7 +128,7 @@ def test_gap_metrics_leave_spliced_tokens_out(ckpt):
     batch = learner.add_old_logprobs(batch)
     spliced = batch.splice_kind > 0
     rollout = batch.old_logprobs - np.where(spliced, 3.0, 0.05).astype(np.float32)
-    m = learner.train_step(dataclasses.replace(batch, rollout_logprobs=rollout))
+    m = learner.update(dataclasses.replace(batch, rollout_logprobs=rollout)).metrics
     assert m["gap/abs_diff"] == pytest.approx(0.05, rel=1e-3)
     assert m["gap/abs_diff_max"] == pytest.approx(0.05, rel=1e-3)
     assert m["gap/frac_outside_band"] == 0.0  # exp(0.05) = 1.05 is inside [0.9, 1.1]

@@ -59,7 +59,7 @@ def test_fit_equals_the_step_by_step_loop(ckpt, attention_block):
     batch = demos()
     rows = batch_rows(batch.num_rows, 7, 4, seed=3)  # 7 steps at 3 per call: calls of 3, 2 and 2 steps
     ref = learner(ckpt)
-    ref_losses = np.asarray([ref.train_step(batch.rows(r))["loss"] for r in rows], np.float32)
+    ref_losses = np.asarray([ref.update(batch.rows(r)).metrics["loss"] for r in rows], np.float32)
     new = learner(ckpt, attention_block)
     seen = []
     losses = fit(new, batch, rows, steps_per_call=3, on_steps=seen.append)
@@ -74,8 +74,6 @@ def test_fit_equals_the_step_by_step_loop(ckpt, attention_block):
     assert (new.step, new.calls, new.skipped_steps) == (ref.step, ref.calls, ref.skipped_steps) == (7, 7, 0)
 
 
-def test_fit_refuses_a_bucketed_learner(ckpt):
-    bucketed = Learner(params.from_pretrained(ckpt), LearnerConfig(loss=LossConfig(kind="nll"), micro_batch_size=2,
-                                                                   bucket_widths="16,24"))
-    with pytest.raises(ValueError, match="without length bucketing"):
-        fit(bucketed, demos(), batch_rows(12, 2, 4, seed=0))
+def test_fit_refuses_rows_that_do_not_split_into_micro_batches(ckpt):
+    with pytest.raises(ValueError, match="batch size 3 is not a multiple of micro_batch_size 2"):
+        fit(learner(ckpt), demos(), batch_rows(12, 2, 3, seed=0))

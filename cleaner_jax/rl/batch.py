@@ -1,6 +1,6 @@
-"""The learner's input batch: one typed pytree, built from trajectories, validated, split into
-micro-batches (strided at one width, or length-bucketed: `plan_micro_batches`, see the section
-below) and placed on the mesh.
+"""The learner's input batch: one typed pytree, built from trajectories, validated, cut to a
+micro-batch's width (`at_width`; which rows and which width: `rl.plan`) and placed on the mesh.
+The bucket widths a run may use are the section below.
 
 One row per trajectory, right-padded; index t is token t of `prompt ++ response`:
 
@@ -219,7 +219,7 @@ def local_rows(x: jax.Array, mesh: Mesh | None) -> np.ndarray:
 # Padding every row of a mini-batch to its longest row wastes most tokens on a long-tailed
 # length distribution (1k-20k tokens in the authors' runs), and every new width is a new XLA
 # compile of the whole train step. Bucketing sorts a mini-batch's rows by length, cuts the
-# sorted rows into micro-batches and pads each to the smallest width of a small fixed set, so
+# sorted rows into micro-batches (`rl.plan`) and pads each to the smallest width of a small fixed set, so
 # the compiled shapes are bounded by the set, whatever the data. It is preferred over packing
 # several sequences per row because each row stays one sequence: it composes with cuDNN's
 # flash attention given `is_causal` and per-row lengths (no segment ids, no block-diagonal
@@ -291,24 +291,6 @@ def bucket_for(length: int, widths: Sequence[int], where: str = "bucket_widths")
                      "add a larger width (the run config checks the largest against the sequence budget)")
 
 
-def plan_micro_batches(lengths: np.ndarray, micro_batch_size: int,
-                       widths: Sequence[int]) -> list[tuple[np.ndarray, int]]:
-    """(row indices, width) of each micro-batch: the rows sorted by length (stable), cut into
-    consecutive groups of `micro_batch_size`, each padded to the bucket of its longest row.
-
-    For fixed group sizes, contiguous groups of the sorted rows minimise the summed padded
-    width (an exchange argument: swapping a long row into a shorter group can only raise that
-    group's maximum), and the bucket rounding is monotone, so it keeps that.
-    """
-    lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or len(lengths) % micro_batch_size:
-        raise ValueError(f"plan_micro_batches: {lengths.shape} lengths do not split into micro-batches of "
-                         f"{micro_batch_size}")
-    order = np.argsort(lengths, kind="stable")
-    groups = [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
-    return [(rows, bucket_for(int(lengths[rows].max()), widths)) for rows in groups]
-
-
 def at_width(tree: Tree, width: int) -> Tree:
     """Every [B, T] leaf cut or zero-padded on the right to [B, width] ([B] leaves as they are).
     Zero is padding in every field (masks 0, log-probs 0, splice kind 0, pad id 0: the masks,
@@ -320,9 +302,3 @@ def at_width(tree: Tree, width: int) -> Tree:
         return x[:, :width] if t >= width else np.pad(x, ((0, 0), (0, width - t)))
 
     return jax.tree.map(fit, tree)
-
-
-def padded_fraction(lengths: np.ndarray, shapes: Sequence[tuple[int, int]]) -> float:
-    """Share of the [rows, width] slots in `shapes` that are padding, for rows of `lengths`."""
-    slots = sum(r * w for r, w in shapes)
-    return 1.0 - float(np.sum(lengths)) / slots if slots else 0.0

@@ -1,26 +1,24 @@
-"""The policy learner: a jitted, mesh-sharded train step with exact micro-batch accumulation,
+"""The policy learner: mesh-sharded optimizer updates with exact micro-batch accumulation,
 learner-side log-probs (old log-probs, weight-sync probe), and checkpoint/export hooks.
 
-One `train_step` call is one optimizer update on one mini-batch. Inside it, the mini-batch is
-split into micro-batches that a `lax.scan` runs one at a time; each returns the gradient of its
-*unreduced* loss sum and its denominator, and the update uses ``sum(grads) / sum(counts)``, so a
-token-mean is exact however tokens fall into micro-batches (a mean of micro-batch means is
-biased when micro-batches hold different numbers of policy tokens, which multi-turn masks always
-produce).
-
-Length bucketing (`LearnerConfig.bucket_widths`, the run config's `algo.bucket_widths`): the
-mini-batch's rows are sorted by length into micro-batches, each padded to the smallest of a few
-fixed widths (`cleaner_jax.rl.batch.plan_micro_batches`); a Python loop runs one jitted
-accumulate per micro-batch (one compile per width) and one jitted update. The sums are the
-same, so the loss, gradients, skip and loss scale equal the padded path's up to float rounding;
-`logprobs` buckets the same way. Off (''), every row is padded to the batch's width and one
-`lax.scan` runs the micro-batches, as before.
+One path (`cleaner_jax.rl.plan`): an RL step's batch plan (which rows form each micro-batch, at
+which width, for the old-log-prob pass and for every update) is decided and agreed between
+processes once per step (`Learner.plan`). An update (`Learner.update`) then runs one jitted
+accumulate per micro-batch (compiled once per width) and one jitted apply. Each accumulate
+returns the gradient of its micro-batch's *unreduced* loss sum and its denominator, and the
+apply uses ``sum(grads) / sum(counts)``, so a token-mean is exact however tokens fall into
+micro-batches (a mean of micro-batch means is biased when micro-batches hold different numbers
+of policy tokens, which multi-turn masks always produce). Length bucketing
+(`LearnerConfig.bucket_widths`, the run config's `algo.bucket_widths`) only changes the plan's
+widths; without it every micro-batch has the batch's width.
 
 Old log-probs: the authors recompute them on the final (purified) sequences before the first
-update of an RL step. With several mini-batches per RL step, `add_old_logprobs` must run on the
-whole RL batch *before* the first `train_step` (`cleaner_jax.rl.step` does this); a batch
-without `old_logprobs` uses the current parameters as pi_old (ratio 1), which is only right for
-the first update after generation.
+update of an RL step. The first update's forward runs at exactly those parameters, so it
+returns its own rows' log-probs (`UpdateResult.logprobs`) and trains with them as pi_old
+(ratio 1); only later mini-batches' rows need the separate no-grad pass (`Learner.logprobs`),
+run before the first update (`cleaner_jax.rl.step` does both). A batch without `old_logprobs`
+uses the current parameters as pi_old, which is only right for the first update after
+generation.
 
 Learning-rate schedule (verl's `constant_schedule_with_warmup`, stepped once per RL step):
 ``lr * min(1, k / warmup_steps)`` with ``k = update // updates_per_lr_step``; the first RL step
@@ -29,7 +27,7 @@ skipped one (below) moves neither the optimizer's count nor the schedule (torch'
 steps regardless; with rare skips the difference is a step of warmup).
 
 Non-finite updates: in every dtype an update whose loss or gradient norm is not finite is
-skipped inside the jitted step, parameters and optimizer state left bit-identical, and counted
+skipped inside the jitted apply, parameters and optimizer state left bit-identical, and counted
 (`skipped`, `Learner.skipped_steps`, `Learner.consecutive_skips`); with float16 compute a
 dynamic loss scale (`cleaner_jax.rl.loss_scale`, the authors' grad scaler) also backs off.
 The scaler state and the counters are saved in checkpoints.
@@ -37,18 +35,18 @@ The scaler state and the counters are saved in checkpoints.
 Several processes (`cleaner_jax.distributed`, a mesh over every process's devices): each
 process passes its own rows, the same number in every process, and the global batch is those
 rows in process order, assembled on the devices (`rl.batch.place_batch`); a micro-batch takes
-`micro_batch_size / processes` rows of each. The jitted step computes over the global batch,
-so its metrics are global; `logprobs` returns each process's own rows; checkpoints and the HF
-export are collective (every process calls them). The pure pieces live in `rl/update.py`, the
-configuration (`LearnerConfig`, `OptimizerConfig`) in `rl/learner_config.py`.
+`micro_batch_size / processes` rows of each. The jitted calls compute over the global batch,
+so their metrics are global; log-probs come back for each process's own rows; checkpoints and
+the HF export are collective (every process calls them). The pure pieces live in
+`rl/update.py`, the configuration (`LearnerConfig`, `OptimizerConfig`) in `rl/learner_config.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import replace
 from contextlib import nullcontext
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,13 +56,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cleaner_jax import distributed
 from cleaner_jax.models.sharding import FSDP, mesh_processes
-from cleaner_jax.rl.batch import (Batch, at_width, local_rows, padded_fraction, place_batch, plan_micro_batches,
-                                  validate_batch)
+from cleaner_jax.rl.batch import Batch, at_width, local_rows, place_batch, validate_batch
 from cleaner_jax.rl.checkpointing import Checkpointer
 from cleaner_jax.rl.learner_config import LearnerConfig
 from cleaner_jax.rl.loss_scale import SCALED_DTYPES, LossScaleState, init_state
 from cleaner_jax.rl.losses import LossOutput
-from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_step, lr_schedule,
+from cleaner_jax.rl.plan import MicroBatch, StepPlan, agree, micro_batches, padded_fraction, plan_step
+from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_steps, lr_schedule,
                                    make_optimizer, micro_loss)
 
 log = logging.getLogger(__name__)
@@ -99,24 +97,23 @@ class Learner:
             opt_state = self.tx.init(self.params)
             self.opt_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), opt_state)
         self._layout = Layout.of((self.params, self.opt_state)) if mesh is not None else None
-        if cfg.widths and mesh is not None:  # each bucketed micro-batch is placed on the mesh by itself
+        if mesh is not None:  # each micro-batch is placed on the mesh by itself
             for name, size in (("micro_batch_size", cfg.micro_batch_size),
                                ("logprob_micro_batch_size", cfg.logprob_micro_batch_size)):
                 if size % mesh.shape[FSDP]:
                     raise ValueError(f"Learner: {name}={size} is not a multiple of the fsdp mesh axis "
-                                     f"({mesh.shape[FSDP]}), which length bucketing (bucket_widths, the run "
-                                     "config's algo.bucket_widths) needs: raise algo.micro_batch_size or set "
-                                     "algo.bucket_widths=off")
+                                     f"({mesh.shape[FSDP]}): each micro-batch is split over it; raise "
+                                     "algo.micro_batch_size (or algo.logprob_micro_batch_size) to a multiple")
         self.step = 0  # optimizer updates applied (a skipped update does not count, nor move the lr schedule)
         # float16 compute needs a loss scale; bf16 and f32 keep scale 1 and never touch it
         self.loss_scaling = model.config.compute_dtype in SCALED_DTYPES
         self.scaler = self._placed(init_state(cfg.loss_scale, self.loss_scaling))
-        self.calls = 0  # train_step calls, skipped ones included
+        self.calls = 0  # updates run, skipped ones included
         self.skipped_calls: list[int] = []  # indices (in `calls`) of the skipped updates
         self.skipped_steps = 0  # skipped updates in the run (restored from checkpoints)
         self.consecutive_skips = 0  # skipped updates since the last applied one
         self._checkpointer = Checkpointer(checkpoint_dir, max_checkpoints_to_keep) if checkpoint_dir else None
-        self._out_shapes: dict[Any, Any] = {}  # bucketed step: batch structure -> LossOutput shapes
+        self._out_shapes: dict[Any, Any] = {}  # batch structure -> LossOutput shapes
         # a mesh over several processes (jax.distributed): each passes its own rows, the same number
         # in every process; a micro-batch takes micro_batch_size / processes rows from each. A mesh
         # of this process's devices (the toy warm start on process 0) is a one-process learner.
@@ -133,14 +130,6 @@ class Learner:
     def _local(self, micro_batch_size: int) -> int:
         """This process's rows of a micro-batch of `micro_batch_size` global rows."""
         return micro_batch_size // self.processes
-
-    def _agreed_widths(self, plan: list[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, int]]:
-        """A bucketed plan whose micro-batch k has the same width in every process (the widest
-        process's), since micro-batch k is assembled from every process's k-th piece."""
-        if self.processes == 1:
-            return plan
-        widths = distributed.gather_rows(np.asarray([[w for _, w in plan]], np.int64)).max(axis=0)
-        return [(rows, int(w)) for (rows, _), w in zip(plan, widths)]
 
     def _global_rows(self, rows: int) -> None:
         """Check every process passes `rows` rows (`place_batch` needs equal pieces)."""
@@ -161,13 +150,35 @@ class Learner:
     def _mesh_ctx(self) -> Any:
         return jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext()
 
+    # -- the plan
+    def plan(self, lengths: np.ndarray, width: int, mini_batches: int = 1, old_logprobs: bool = False) -> StepPlan:
+        """One RL step's plan (`rl.plan.plan_step`) for this process's rows of `lengths` [B],
+        `width` wide, agreed with the other learner processes (every process calls it once per
+        step). `old_logprobs`: plan the no-grad pass over the rows of every update but the first."""
+        self._global_rows(len(lengths))
+        local = plan_step(lengths, width, mini_batches=mini_batches,
+                          micro_batch_size=self._local(self.cfg.micro_batch_size),
+                          logprob_micro_batch_size=self._local(self.cfg.logprob_micro_batch_size),
+                          widths=self.cfg.widths, old_logprobs=old_logprobs)
+        return agree(local, self.processes)
+
+    def _micro_batches(self, lengths: np.ndarray, width: int, micro_batch_size: int) -> tuple[MicroBatch, ...]:
+        """A one-off plan of `lengths` [B] (outside an RL step), agreed between processes."""
+        self._global_rows(len(lengths))
+        local = micro_batches(lengths, self._local(micro_batch_size), self.cfg.widths, width)
+        return agree(StepPlan((local,), (), len(lengths)), self.processes).updates[0]
+
     # -- compute
-    def logprobs(self, input_ids: Any, attention_mask: Any, temperature: float | None = None) -> np.ndarray:
-        """Learner log-probs [B, T] of `input_ids` [B, T] (position-aligned; column 0 is 0), no grad.
+    def logprobs(self, input_ids: Any, attention_mask: Any, temperature: float | None = None,
+                 plan: Sequence[MicroBatch] | None = None) -> np.ndarray:
+        """Learner log-probs [B, T] of `input_ids` [B, T] (position-aligned; column 0 is 0), no
+        grad; 0 past each row's length.
 
         `attention_mask` [B, T] is right-padded 1/0; B must be a multiple of
         `logprob_micro_batch_size`. `temperature` defaults to the rollout temperature of the
         config; the weight-sync probe asks for 1.0 because servers score prompts untempered.
+        `plan`: the micro-batches (rows into `input_ids`) of an agreed `StepPlan.logprobs`;
+        None plans them here (a collective with several processes).
         """
         temperature = self.cfg.temperature if temperature is None else temperature
         if temperature <= 0:
@@ -176,83 +187,104 @@ class Learner:
         attn = np.asarray(attention_mask, np.float32)
         if ids.ndim != 2 or ids.shape != attn.shape:
             raise ValueError(f"Learner.logprobs: input_ids {ids.shape} and attention_mask {attn.shape} must be equal [B, T]")
+        if np.any(np.diff(attn, axis=1) > 0) or not np.isin(attn, (0, 1)).all():
+            raise ValueError("Learner.logprobs: attention_mask must be 1/0 and right-padded (ones then zeros in "
+                             "every row)")
         if ids.shape[0] % self._local(self.cfg.logprob_micro_batch_size):
             raise ValueError(f"Learner.logprobs: batch size {ids.shape[0]} is not a multiple of "
                              f"logprob_micro_batch_size {self.cfg.logprob_micro_batch_size}"
                              + (f" / {self.processes} processes" if self.processes > 1 else ""))
-        self._global_rows(ids.shape[0])
-        if self.cfg.widths:
-            return self._bucketed_logprobs(ids, attn, temperature)
-        placed_ids, placed_attn = place_batch((ids, attn), self.mesh)
-        with self._mesh_ctx():
-            out = jit_logprobs(self.params, self.rest, placed_ids, placed_attn,
-                               graphdef=self.graphdef, micro_batch_size=self.cfg.logprob_micro_batch_size,
-                               temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)
-        return local_rows(out, self.mesh)
-
-    def _bucketed_logprobs(self, ids: np.ndarray, attn: np.ndarray, temperature: float) -> np.ndarray:
-        """`logprobs` over length-sorted micro-batches, each at its bucket width (one compile per
-        width); positions past a row's length are 0 (the padded path leaves there whatever the
-        model computes on padding; neither is ever used)."""
-        if np.any(np.diff(attn, axis=1) > 0) or not np.isin(attn, (0, 1)).all():
-            raise ValueError("Learner.logprobs: attention_mask must be 1/0 and right-padded (ones then zeros in "
-                             "every row) for length bucketing (bucket_widths)")
-        mb, t = self.cfg.logprob_micro_batch_size, ids.shape[1]
+        lengths = attn.sum(axis=1).astype(np.int64)
+        if plan is None:
+            plan = self._micro_batches(lengths, ids.shape[1], self.cfg.logprob_micro_batch_size)
         parts = []
         with self._mesh_ctx():
-            plan = plan_micro_batches(attn.sum(axis=1).astype(np.int64), self._local(mb), self.cfg.widths)
-            for rows, w in self._agreed_widths(plan):
-                placed_ids, placed_attn = place_batch(at_width((ids[rows], attn[rows]), w), self.mesh)
-                parts.append((rows, jit_logprobs(
-                    self.params, self.rest, placed_ids, placed_attn, graphdef=self.graphdef, micro_batch_size=mb,
-                    temperature=temperature, chunk_size=self.cfg.logprob_chunk_size)))
+            for m in plan:
+                placed_ids, placed_attn = place_batch(at_width((ids[m.rows], attn[m.rows]), m.width), self.mesh)
+                parts.append((m.rows, jit_logprobs(
+                    self.params, self.rest, placed_ids, placed_attn, graphdef=self.graphdef,
+                    micro_batch_size=len(m.rows) * self.processes, temperature=temperature,
+                    chunk_size=self.cfg.logprob_chunk_size)))
         out = np.zeros(ids.shape, np.float32)
         for rows, lp in parts:  # fetched after every micro-batch was dispatched
-            lp = local_rows(lp, self.mesh)
-            out[rows, :min(t, lp.shape[1])] = lp[:, :t]
+            _put(out, rows, local_rows(lp, self.mesh))
         return np.where(attn > 0, out, 0.0).astype(np.float32)
 
     def add_old_logprobs(self, batch: Batch) -> Batch:
-        """A copy of `batch` with ``old_logprobs`` from the current parameters. Call on the whole
-        RL batch before its first update (the authors' recomputation on purified sequences)."""
-        return replace(batch, old_logprobs=self.logprobs(batch.input_ids, batch.attention_mask))
+        """A copy of `batch` with ``old_logprobs`` from the current parameters (every row by the
+        no-grad pass; an RL step gets the first update's rows from that update instead)."""
+        return dataclasses.replace(batch, old_logprobs=self.logprobs(batch.input_ids, batch.attention_mask))
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer update; returns host metrics (loss, pg_clipfrac, entropy, grad_norm, lr,
-        gap/* when rollout_logprobs are given, loss_scale: the scale this update used, skipped:
-        1.0 if its loss or gradient was not finite and the update was skipped, ...)."""
-        return self.update(batch)[0]
-
-    def update(self, batch: Batch) -> tuple[dict[str, float], LossOutput]:
-        """`train_step`, also returning the update's unreduced loss sums and counts (on the host),
-        from which several updates' metrics combine exactly (`rl.step.minibatch_update`)."""
+    def update(self, batch: Batch, plan: Sequence[MicroBatch] | None = None) -> UpdateResult:
+        """One optimizer update on `batch` (a mini-batch): the metrics (loss, pg_clipfrac,
+        entropy, grad_norm, lr, gap/* when rollout_logprobs are given, loss_scale: the scale
+        this update used, skipped: 1.0 if its loss or gradient was not finite and the update was
+        skipped, padded_token_frac, ...), its unreduced loss sums and counts (from which several
+        updates' metrics combine exactly, `rl.step.minibatch_update`), and its rows' log-probs
+        under the parameters before the update (pi_old of this update when `batch` has no
+        `old_logprobs`). `plan`: the micro-batches of an agreed `StepPlan.updates[k]`; None
+        plans them here (a collective with several processes)."""
         host = validate_batch(batch, self._local(self.cfg.micro_batch_size))
-        self._global_rows(host.num_rows)
+        if plan is None:
+            plan = self._micro_batches(host.lengths, host.input_ids.shape[1], self.cfg.micro_batch_size)
         lr = float(self._schedule(jnp.asarray(self.step)))
-        if self.cfg.widths:
-            metrics, sums, shapes = self._bucketed_train_step(host)
-        else:
-            placed = place_batch(host, self.mesh)
-            with self._mesh_ctx():
-                self.params, self.opt_state, self.scaler, metrics, sums = jit_train_step(
-                    self.params, self.rest, self.opt_state, self.scaler, placed, graphdef=self.graphdef, cfg=self.cfg,
-                    layout=self._layout, loss_scaling=self.loss_scaling)
-            shapes = [host.input_ids.shape]
+        tokens = host.loss_mask.sum()
+        policy_tokens = tokens if self.processes == 1 else distributed.all_sum(tokens)
+        static = dict(graphdef=self.graphdef, cfg=self.cfg, loss_scaling=self.loss_scaling)
+        parts = []
+        with self._mesh_ctx():
+            acc, layout = None, None
+            for m in plan:
+                mb = place_batch(at_width(host.rows(m.rows), m.width), self.mesh)
+                if acc is None:
+                    acc = self._zero_accumulators(mb)
+                    layout = Layout.of(acc) if self.mesh is not None else None
+                acc, logp = jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
+                parts.append((m.rows, logp))
+            self.params, self.opt_state, self.scaler, metrics, sums = jit_apply(
+                self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(policy_tokens),
+                cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
         metrics, sums = jax.device_get((metrics, sums))
+        logprobs = np.zeros(host.input_ids.shape, np.float32)
+        for rows, lp in parts:
+            _put(logprobs, rows, local_rows(lp, self.mesh))
         out = {k: float(v) for k, v in metrics.items()}
         out["lr"] = lr
+        shapes = [(len(m.rows), m.width) for m in plan]
         if self.processes == 1:
             out["padded_token_frac"] = padded_fraction(host.lengths, shapes)
         else:  # over every process's rows
             tokens, slots = distributed.all_sum(np.asarray([host.lengths.sum(), sum(r * w for r, w in shapes)]))
             out["padded_token_frac"] = float(1.0 - tokens / slots) if slots else 0.0
-        self.record_update(skipped=bool(out["skipped"]))
-        return out, sums
+        self._count(skipped=bool(out["skipped"]))
+        return UpdateResult(out, sums, np.where(host.attention_mask > 0, logprobs, 0.0).astype(np.float32))
 
-    def record_update(self, skipped: bool) -> None:
-        """Count one update call: `step` (updates applied, which drives the lr schedule),
-        `calls`, and the skip counters. For callers that run the jitted update themselves
-        (`toy.warm_start.fit`, several updates per call); `update` counts its own."""
+    def updates(self, batches: Batch) -> dict[str, np.ndarray]:
+        """K optimizer updates in one compiled call, one per leading index of `batches` ([K, B, T]
+        fields, one width), in order; their metrics stacked [K]. The same updates as K `update`
+        calls up to float rounding, without K calls' host work: for supervised fits of many small
+        updates (the toy's warm start). One learner process; B a multiple of micro_batch_size."""
+        if self.processes > 1:
+            raise ValueError("Learner.updates: runs on one learner process's mesh; use update() per mini-batch")
+        k = int(np.shape(batches.input_ids)[0])
+        flat = validate_batch(jax.tree.map(lambda x: np.reshape(x, (-1, *np.shape(x)[2:])), batches))
+        rows = flat.num_rows // k if k else 0
+        if k and rows % self.cfg.micro_batch_size:
+            raise ValueError(f"Learner.updates: batch size {rows} is not a multiple of micro_batch_size "
+                             f"{self.cfg.micro_batch_size}")
+        stacked = jax.tree.map(lambda x: x.reshape(k, rows, *x.shape[1:]), flat)
+        with self._mesh_ctx():
+            self.params, self.opt_state, self.scaler, metrics = jit_train_steps(
+                self.params, self.rest, self.opt_state, self.scaler, stacked, graphdef=self.graphdef, cfg=self.cfg,
+                layout=self._layout, loss_scaling=self.loss_scaling)
+        metrics = {name: np.asarray(v) for name, v in jax.device_get(metrics).items()}
+        for skipped in metrics["skipped"]:
+            self._count(skipped=bool(skipped))
+        return metrics
+
+    def _count(self, skipped: bool) -> None:
+        """Count one update: `step` (updates applied, which drives the lr schedule), `calls`,
+        and the skip counters."""
         if skipped:
             self.skipped_calls.append(self.calls)
             self.skipped_steps += 1
@@ -262,34 +294,12 @@ class Learner:
             self.consecutive_skips = 0
         self.calls += 1
 
-    def _bucketed_train_step(self, host: Batch) -> tuple[dict[str, jax.Array], LossOutput, list[tuple[int, int]]]:
-        """`train_step` over length-sorted micro-batches at their bucket widths: one accumulate
-        call per micro-batch (compiled once per width), then one update (compiled once). The
-        sums are the padded path's, so loss, gradients, skip and loss scale are the same up to
-        float rounding. Returns the metrics, the loss sums and the micro-batch shapes."""
-        plan = self._agreed_widths(plan_micro_batches(host.lengths, self._local(self.cfg.micro_batch_size),
-                                                      self.cfg.widths))
-        policy_tokens = host.loss_mask.sum() if self.processes == 1 else distributed.all_sum(host.loss_mask.sum())
-        static = dict(graphdef=self.graphdef, cfg=self.cfg, loss_scaling=self.loss_scaling)
-        with self._mesh_ctx():
-            acc, layout = None, None
-            for rows, w in plan:
-                mb = place_batch(at_width(host.rows(rows), w), self.mesh)
-                if acc is None:
-                    acc = self._zero_accumulators(mb)
-                    layout = Layout.of(acc) if self.mesh is not None else None
-                acc = jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
-            self.params, self.opt_state, self.scaler, metrics, sums = jit_apply(
-                self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(policy_tokens),
-                cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
-        return metrics, sums, [(len(rows), w) for rows, w in plan]
-
     def _zero_accumulators(self, mb: Batch) -> tuple[Any, LossOutput]:
         # the metrics' structure depends on the batch's optional fields only: traced once per structure
         key = jax.tree.structure(mb)
         if key not in self._out_shapes:
             self._out_shapes[key] = jax.eval_shape(
-                lambda p: micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1], self.params)
+                lambda p: micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1][0], self.params)
         zero_out = self._placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._out_shapes[key]))
         return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), self.params), zero_out
 
@@ -302,7 +312,7 @@ class Learner:
     def model(self) -> nnx.Module:
         """The policy as an NNX module with the current weights, e.g. for `params.save_pretrained`.
 
-        It shares the learner's arrays, which the next `train_step` donates (frees): use it
+        It shares the learner's arrays, which the next `update` donates (frees): use it
         before that step, or copy what you need.
         """
         return nnx.merge(self.graphdef, self.params, self.rest)
@@ -351,3 +361,19 @@ class Learner:
         if self._checkpointer is not None:
             self._checkpointer.wait()
             self._checkpointer.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """What one `Learner.update` returns, on the host."""
+
+    metrics: dict[str, float]
+    sums: LossOutput  # the update's unreduced loss sums, counts and maxima
+    logprobs: np.ndarray  # [B, T] float32: the rows' log-probs before the update (0 past each row's length)
+
+
+def _put(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """Write a micro-batch's [m, w] `values` into rows `rows` of `out` [B, T] (w may differ from T:
+    past a row's length both are padding)."""
+    w = min(out.shape[1], values.shape[1])
+    out[rows, :w] = values[:, :w]

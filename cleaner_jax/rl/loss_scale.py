@@ -10,7 +10,7 @@ every step whose gradients are not finite (that step is skipped), and doubled af
 
 The skip itself is not specific to float16: in every dtype an update whose loss or gradient
 norm is not finite leaves the parameters and the optimizer state exactly as they were
-(`cleaner_jax.rl.learner.train_step`); only float16 changes the scale.
+(`cleaner_jax.rl.update.apply_update`); only float16 changes the scale.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One RL step in one place: scored episodes -> shaped rewards -> group advantages -> the
-learner batch -> old log-probs -> mini-batch updates -> step metrics.
+learner batch -> its plan -> old log-probs -> mini-batch updates -> step metrics.
 
     metrics = rl_step(learner, scored, StepConfig(max_response_tokens=384))
 
@@ -44,6 +44,7 @@ from cleaner_jax.rl.credit import credit_metrics, credit_sums
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.logprob_gap import splice_metrics
 from cleaner_jax.rl.losses import LossOutput, combine, reduce_metrics
+from cleaner_jax.rl.plan import StepPlan
 from cleaner_jax.trajectory import ScoredEpisode
 
 OldLogprobs = Literal["recompute", "rollout"]
@@ -190,13 +191,31 @@ def without_rows(batch: Batch, drop: np.ndarray) -> Batch:
     return dataclasses.replace(batch, loss_mask=np.where(drop[:, None], 0.0, batch.loss_mask).astype(np.float32))
 
 
-def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs) -> Batch:
-    """`batch` with its old log-probs: recomputed by the learner on the whole RL batch before
-    the first update (decoupled mode, the authors), or the rollout's (bypass mode; with SAAR on
-    it needs saar.logprob_mode=rollout, where spliced spans were re-scored in the purified
-    context at splice time)."""
+def step_plan(learner: Learner, batch: Batch, mini_batches: int, mode: OldLogprobs) -> StepPlan:
+    """The step's batch plan (`rl.plan`), decided and agreed between learner processes once:
+    `mini_batches` updates on consecutive row blocks and, in decoupled mode, the old-log-prob
+    pass over every block but the first (whose pi_old its own update computes)."""
+    if mode not in ("recompute", "rollout"):
+        raise ValueError(f"step_plan: unknown old log-prob mode {mode!r}; use 'recompute' or 'rollout' "
+                         "(algo.old_logprobs)")
+    return learner.plan(batch.lengths, batch.input_ids.shape[1], mini_batches, old_logprobs=mode == "recompute")
+
+
+def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs, plan: StepPlan | None = None) -> Batch:
+    """`batch` with its old log-probs before the first update: in decoupled mode (the authors)
+    the learner's on the purified sequences, by the no-grad pass over the rows of `plan.logprobs`
+    (every mini-batch but the first; the first's are 0 here and come from its own update,
+    `minibatch_update`), or over every row without a plan (a notebook's look at a batch); in
+    bypass mode the rollout's (with SAAR on it needs saar.logprob_mode=rollout, where spliced
+    spans were re-scored in the purified context at splice time)."""
     if mode == "recompute":
-        return learner.add_old_logprobs(batch)
+        if plan is None:
+            return learner.add_old_logprobs(batch)
+        if not plan.recompute_old:
+            raise ValueError("with_old_logprobs(mode='recompute'): the plan has no old-log-prob pass; make it with "
+                             "step_plan(..., mode='recompute')")
+        return dataclasses.replace(batch, old_logprobs=learner.logprobs(batch.input_ids, batch.attention_mask,
+                                                                        plan=plan.logprobs))
     if mode == "rollout":
         if batch.rollout_logprobs is None:
             raise ValueError("with_old_logprobs(mode='rollout'): the batch has no rollout_logprobs")
@@ -204,25 +223,33 @@ def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs) -> Batc
     raise ValueError(f"with_old_logprobs: unknown mode {mode!r}; use 'recompute' or 'rollout' (algo.old_logprobs)")
 
 
-def minibatch_update(learner: Learner, batch: Batch, mini_batches: int) -> dict[str, float]:
-    """`mini_batches` optimizer updates on consecutive row blocks of `batch`; returns the
-    learner's metrics over them, as `learner/<name>`: the loss and every per-token or
+def minibatch_update(learner: Learner, batch: Batch, plan: StepPlan) -> tuple[dict[str, float], Batch]:
+    """One optimizer update per mini-batch of `plan` (consecutive row blocks of `batch`); returns
+    the learner's metrics over them, as `learner/<name>`: the loss and every per-token or
     per-sequence metric from the updates' sums and counts taken together (a mini-batch without
     spliced tokens adds nothing to `gap/spliced/*`, not a 0), maxima as the largest, and the
-    per-update values (grad_norm, lr, loss_scale, skipped, ...) as their mean."""
-    if mini_batches < 1 or batch.num_rows % mini_batches:
-        raise ValueError(f"minibatch_update: {batch.num_rows} rows do not split into mini_batches={mini_batches} "
-                         "equal parts; build the batch with rows_multiple_of = micro_batch_size * mini_batches")
-    per_mini = batch.num_rows // mini_batches
+    per-update values (grad_norm, lr, loss_scale, skipped, ...) as their mean. Also `batch`
+    with the first mini-batch's old log-probs from its update when the plan recomputes them
+    (that update trains at pi_old = its own forward, ratio 1)."""
+    n, updates = plan.rows_per_update, len(plan.updates)
+    if batch.num_rows != n * updates:
+        raise ValueError(f"minibatch_update: the batch has {batch.num_rows} rows, the plan {updates} x {n}")
     means: dict[str, float] = {}
     total: LossOutput | None = None
-    for k in range(mini_batches):
-        m, sums = learner.update(batch.rows(slice(k * per_mini, (k + 1) * per_mini)))
-        for key, v in m.items():
-            means[key] = means.get(key, 0.0) + v / mini_batches
-        total = sums if total is None else combine(total, sums)
+    for k, micro in enumerate(plan.updates):
+        mini = batch.rows(slice(k * n, (k + 1) * n))
+        if k == 0 and plan.recompute_old:
+            mini = dataclasses.replace(mini, old_logprobs=None)
+        result = learner.update(mini, micro)
+        if k == 0 and plan.recompute_old:
+            old = np.array(batch.old_logprobs, np.float32)
+            old[:n] = result.logprobs
+            batch = dataclasses.replace(batch, old_logprobs=old)
+        for key, v in result.metrics.items():
+            means[key] = means.get(key, 0.0) + v / updates
+        total = result.sums if total is None else combine(total, result.sums)
     means.update({k: float(v) for k, v in reduce_metrics(total).items()})
-    return {f"learner/{k}": v for k, v in means.items()}
+    return {f"learner/{k}": v for k, v in means.items()}, batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,19 +278,21 @@ def rl_step_outputs(learner: Learner, scored: Sequence[ScoredEpisode], cfg: Step
     layout = process_layout(scored, multiple, cfg.width_bucket) if jax.process_count() > 1 else None
     batch = build_batch(scored, adv.advantages, pad_id=cfg.pad_id, rows_multiple_of=multiple,
                         width_bucket=cfg.width_bucket, layout=layout)
-    batch = with_old_logprobs(learner, batch, cfg.old_logprobs)
-    diagnostics = global_splice_metrics(batch)
-    if cfg.exclude_zero_adv_groups:  # after the diagnostics, which describe every valid episode
+    plan = step_plan(learner, batch, cfg.mini_batches, cfg.old_logprobs)
+    batch = with_old_logprobs(learner, batch, cfg.old_logprobs, plan)
+    trained = batch
+    if cfg.exclude_zero_adv_groups:
         rows = valid_rows(scored)
         zero = np.zeros(batch.num_rows, dtype=bool)  # filler rows already train nothing
         zero[:len(rows)] = adv.zero_group[rows]
-        batch = without_rows(batch, zero)
-    out = minibatch_update(learner, batch, cfg.mini_batches)
-    out.update(diagnostics)
+        trained = without_rows(batch, zero)
+    out, trained = minibatch_update(learner, trained, plan)
+    # the splice diagnostics describe every valid episode, zero-advantage groups included
+    batch = dataclasses.replace(batch, old_logprobs=trained.old_logprobs)
+    out.update(global_splice_metrics(batch))
     out.update(global_step_metrics(adv, rewards))
     credit = credit_sums(scored, adv.advantages)
     out.update(credit_metrics(credit if jax.process_count() == 1 else distributed.all_sum(credit)))
-    # without_rows leaves old_logprobs as they were
     return StepOutputs(out, adv.advantages, episode_old_logprobs(scored, batch))
 
 

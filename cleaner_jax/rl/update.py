@@ -3,9 +3,14 @@ gradient, exact accumulation over micro-batches and the update with its finitene
 (`cleaner_jax.rl.learner` explains the maths and holds the stateful `Learner` around them; it
 imports this module, never the other way: the config types are in `rl/learner_config.py`).
 They are pure functions of arrays, so a notebook or bench (`bench/memory_report.py`) can lower
-or call them (`jit_train_step`, `jit_logprobs`) without a `Learner`; they are jitted at module
-level with the graph and config as static arguments, so learners of the same model and config
-share one compiled executable.
+or call them (`jit_accumulate`, `jit_apply`, `jit_logprobs`, `jit_train_steps`) without a
+`Learner`; they are jitted at module level with the graph and config as static arguments, so
+learners of the same model and config share one compiled executable.
+
+The learner runs one path (`rl.plan`): per micro-batch one `jit_accumulate` (compiled once per
+width), then one `jit_apply` per optimizer update. `jit_train_steps` is several whole updates
+at one width in one compiled call (a `lax.scan` of `train_step`), for supervised fits whose
+many small updates would otherwise pay the per-call host work each time (`Learner.updates`).
 """
 from __future__ import annotations
 
@@ -68,7 +73,10 @@ def batch_logprobs(graphdef: nnx.GraphDef, micro_batch_size: int, temperature: f
 
 
 def micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
-               mb: Batch) -> tuple[jax.Array, LossOutput]:
+               mb: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array]]:
+    """One micro-batch's unreduced loss sum, its `LossOutput` and its tokens' log-probs [B, T]
+    under `params` (no gradient through them): pi_old of this update when `mb` has no
+    `old_logprobs`, which the RL step keeps as the batch's old log-probs (`rl.step`)."""
     logp, ent = model_logprobs(graphdef, params, rest, mb.input_ids, mb.attention_mask, cfg.temperature,
                                cfg.logprob_chunk_size, with_entropy=True)
     old = mb.old_logprobs if mb.old_logprobs is not None else jax.lax.stop_gradient(logp)
@@ -88,7 +96,7 @@ def micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, re
             sums, maxes = rename(sums), rename(maxes)
             out = out._replace(sums={**out.sums, **sums}, counts={**out.counts, **{k: count for k in sums}},
                                maxes={**out.maxes, **maxes})
-    return out.loss_sum, out
+    return out.loss_sum, (out, jax.lax.stop_gradient(logp))
 
 
 def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: LearnerConfig,
@@ -112,7 +120,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: Le
 
     def body(carry: tuple[Any, LossOutput], mb: Batch) -> tuple[tuple[Any, LossOutput], None]:
         g_acc, out_acc = carry
-        g, out = micro_grads(graphdef, cfg, params, rest, scaler.scale, mb, loss_scaling=loss_scaling)
+        g, out, _ = micro_grads(graphdef, cfg, params, rest, scaler.scale, mb, loss_scaling=loss_scaling)
         return (jax.tree.map(jnp.add, g_acc, g), combine(out_acc, out)), None
 
     (g_sum, out), _ = jax.lax.scan(body, (zero_grads, zero_out), micro)
@@ -121,28 +129,29 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: Le
 
 
 def micro_grads(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
-                scale: jax.Array, mb: Batch, *, loss_scaling: bool) -> tuple[Any, LossOutput]:
-    """The f32 gradient of one micro-batch's unreduced loss sum, and its `LossOutput`. With
-    `loss_scaling` the backward pass runs on ``loss_sum * scale / loss_count`` and the gradient
-    is divided by that factor again (see `train_step`)."""
-    def scaled_loss(p: nnx.State, r: nnx.State, m: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array]]:
-        loss_sum, out = micro_loss(graphdef, cfg, p, r, m)
+                scale: jax.Array, mb: Batch, *, loss_scaling: bool) -> tuple[Any, LossOutput, jax.Array]:
+    """The f32 gradient of one micro-batch's unreduced loss sum, its `LossOutput` and its
+    log-probs [B, T] (`micro_loss`). With `loss_scaling` the backward pass runs on
+    ``loss_sum * scale / loss_count`` and the gradient is divided by that factor again (see
+    `train_step`)."""
+    def scaled_loss(p: nnx.State, r: nnx.State, m: Batch) -> tuple[jax.Array, tuple[LossOutput, jax.Array, jax.Array]]:
+        loss_sum, (out, logp) = micro_loss(graphdef, cfg, p, r, m)
         if not loss_scaling:
-            return loss_sum, (out, jnp.ones((), jnp.float32))
+            return loss_sum, (out, jnp.ones((), jnp.float32), logp)
         factor = jax.lax.stop_gradient(scale / jnp.maximum(out.loss_count, 1.0))
-        return loss_sum * factor, (out, factor)
+        return loss_sum * factor, (out, factor, logp)
 
-    g, (out, factor) = jax.grad(scaled_loss, has_aux=True)(params, rest, mb)
+    g, (out, factor, logp) = jax.grad(scaled_loss, has_aux=True)(params, rest, mb)
     if loss_scaling:
-        return jax.tree.map(lambda x: x.astype(jnp.float32) / factor, g), out
-    return jax.tree.map(lambda x: x.astype(jnp.float32), g), out
+        return jax.tree.map(lambda x: x.astype(jnp.float32) / factor, g), out, logp
+    return jax.tree.map(lambda x: x.astype(jnp.float32), g), out, logp
 
 
 def zero_accumulators(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
                       mb: Batch) -> tuple[Any, LossOutput]:
     """Zero f32 gradients (each with its parameter's sharding) and a zero `LossOutput` of the
     structure a micro-batch like `mb` produces (its optional fields decide the metrics)."""
-    out_shape = jax.eval_shape(lambda p: micro_loss(graphdef, cfg, p, rest, mb)[1], params)
+    out_shape = jax.eval_shape(lambda p: micro_loss(graphdef, cfg, p, rest, mb)[1][0], params)
     zero_out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
     return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params), zero_out
 
@@ -194,32 +203,40 @@ class Layout:
 # model and config share one compiled executable.
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"),
                    donate_argnames=("params", "opt_state"))
-def jit_train_step(params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
-                   batch: Batch, *, graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
-                   loss_scaling: bool) -> Any:
-    params, opt_state, scaler, metrics, out = train_step(graphdef, make_optimizer(cfg.optimizer), cfg, params, rest,
-                                                         opt_state, scaler, batch, loss_scaling=loss_scaling)
-    if layout is not None:  # keep parameters and moments where they were (norms stay replicated)
-        params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), layout.tree())
-    return params, opt_state, scaler, metrics, out
+def jit_train_steps(params: nnx.State, rest: nnx.State, opt_state: optax.OptState, scaler: LossScaleState,
+                    batches: Batch, *, graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
+                    loss_scaling: bool) -> tuple[nnx.State, optax.OptState, LossScaleState, dict[str, jax.Array]]:
+    """`train_step` once per leading index of `batches` ([K, B, T] fields), in order: K whole
+    updates in one call; metrics stacked [K]."""
+    tx = make_optimizer(cfg.optimizer)
+
+    def body(carry: tuple[Any, Any, Any], batch: Batch) -> tuple[tuple[Any, Any, Any], dict[str, jax.Array]]:
+        p, o, s = carry
+        p, o, s, metrics = train_step(graphdef, tx, cfg, p, rest, o, s, batch, loss_scaling=loss_scaling)[:4]
+        if layout is not None:  # keep parameters and moments where they were (norms stay replicated)
+            p, o = jax.lax.with_sharding_constraint((p, o), layout.tree())
+        return (p, o, s), metrics
+
+    (params, opt_state, scaler), metrics = jax.lax.scan(body, (params, opt_state, scaler), batches)
+    return params, opt_state, scaler, metrics
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"), donate_argnames=("acc",))
 def jit_accumulate(params: nnx.State, rest: nnx.State, scale: jax.Array, acc: tuple[Any, LossOutput], mb: Batch, *,
                    graphdef: nnx.GraphDef, cfg: LearnerConfig, layout: Layout | None,
-                   loss_scaling: bool) -> tuple[Any, LossOutput]:
-    """Bucketed train step, part 1: add one micro-batch's gradient and loss sums to `acc`
-    (compiled once per bucket width)."""
-    g, out = micro_grads(graphdef, cfg, params, rest, scale, mb, loss_scaling=loss_scaling)
+                   loss_scaling: bool) -> tuple[tuple[Any, LossOutput], jax.Array]:
+    """An update, part 1: add one micro-batch's gradient and loss sums to `acc` (compiled once
+    per width); also its log-probs [B, T] under `params` (`micro_loss`)."""
+    g, out, logp = micro_grads(graphdef, cfg, params, rest, scale, mb, loss_scaling=loss_scaling)
     acc = (jax.tree.map(jnp.add, acc[0], g), combine(acc[1], out))
-    return jax.lax.with_sharding_constraint(acc, layout.tree()) if layout is not None else acc
+    return (jax.lax.with_sharding_constraint(acc, layout.tree()) if layout is not None else acc), logp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout", "loss_scaling"), donate_argnames=("params", "opt_state"))
 def jit_apply(params: nnx.State, opt_state: optax.OptState, scaler: LossScaleState, g_sum: Any, out: LossOutput,
               num_policy_tokens: jax.Array, *, cfg: LearnerConfig, layout: Layout | None,
               loss_scaling: bool) -> Any:
-    """Bucketed train step, part 2: the update from the accumulated sums (compiled once)."""
+    """An update, part 2: the optimizer step from the accumulated sums (compiled once)."""
     params, opt_state, scaler, metrics, out = apply_update(make_optimizer(cfg.optimizer), cfg, params, opt_state,
                                                            scaler, g_sum, out, num_policy_tokens,
                                                            loss_scaling=loss_scaling)

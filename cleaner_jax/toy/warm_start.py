@@ -8,13 +8,13 @@ the rollout server) starts from it without redoing the fit. The directory is wri
 at all (`params.save_pretrained` writes a hidden sibling and renames it), so a run killed during the
 warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/reliability.md, row 3).
 
-The fit (`fit`) runs `STEPS_PER_CALL` NLL updates per compiled call: a `lax.scan` of the learner's
-own `rl.update.train_step` over that many pre-stacked batches, whose rows are drawn up front by
-the same generator calls as one `Learner.train_step` per step drew them. The updates are the
-step-by-step loop's up to float rounding (tests/test_warm_start_fit.py); the scanned program
-rounds differently, and over hundreds of steps Adam amplifies that into small differences of the
-curve. What it saves is the per-call host work (static-argument hashing, batch checks and
-placement, a blocking metrics fetch per step); the step itself is compute (mostly attention over
+The fit (`fit`) runs `STEPS_PER_CALL` NLL updates per compiled call through the learner's
+`Learner.updates` (a `lax.scan` of its update over that many pre-stacked batches), whose rows
+are drawn up front by the same generator calls as one `Learner.update` per step drew them. The
+updates are the step-by-step loop's up to float rounding (tests/test_warm_start_fit.py); the
+scanned program rounds differently, and over hundreds of steps Adam amplifies that into small
+differences of the curve. What it saves is the per-call host work (static-argument hashing,
+batch checks and placement, a blocking metrics fetch per step); the step itself is compute (mostly attention over
 rows padded to the longest demonstration). bench/warm_start_speed.py measures both paths,
 bench/RESULTS.md has the numbers.
 """
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import random
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 
@@ -45,7 +43,6 @@ from cleaner_jax.rl.batch import Batch, from_trajectories, validate_batch
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.losses import LossConfig
-from cleaner_jax.rl.update import Layout, make_optimizer, train_step
 from cleaner_jax.toy import task as toy_task
 
 log = logging.getLogger(__name__)
@@ -93,63 +90,19 @@ def batch_rows(num_demos: int, steps: int, batch_size: int, seed: int) -> np.nda
                       np.int64).reshape(steps, batch_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "layout", "loss_scaling"),
-                   donate_argnames=("params", "opt_state"))
-def _train_steps(params: Any, rest: Any, opt_state: Any, scaler: Any, batches: Batch, *, graphdef: Any,
-                 cfg: LearnerConfig, layout: Layout | None, loss_scaling: bool) -> Any:
-    """`Learner.train_step`'s jitted update (`rl.update.train_step`) once per leading index of
-    `batches` ([K, B, T] fields), in order; metrics stacked [K]."""
-    tx = make_optimizer(cfg.optimizer)
-
-    def body(carry: tuple[Any, Any, Any], batch: Batch) -> tuple[tuple[Any, Any, Any], dict[str, jax.Array]]:
-        p, o, s = carry
-        p, o, s, metrics = train_step(graphdef, tx, cfg, p, rest, o, s, batch, loss_scaling=loss_scaling)[:4]
-        if layout is not None:  # parameters and moments stay where they were, as in jit_train_step
-            p, o = jax.lax.with_sharding_constraint((p, o), layout.tree())
-        return (p, o, s), metrics
-
-    (params, opt_state, scaler), metrics = jax.lax.scan(body, (params, opt_state, scaler), batches)
-    return params, opt_state, scaler, metrics
-
-
 def fit(learner: Learner, batch: Batch, rows: np.ndarray, steps_per_call: int = STEPS_PER_CALL,
         on_steps: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One optimizer update of `learner` per row of `rows` ([steps, B] indices into `batch`), the
-    same updates as ``for r in rows: learner.train_step(batch.rows(r))`` up to float rounding, run
-    `steps_per_call` at a time in one compiled call; returns the per-step losses [steps].
-    `on_steps(losses)` is called with each call's losses (a progress bar). The learner must be
-    one process's, without length bucketing, and `B` its micro_batch_size's multiple."""
-    if learner.cfg.widths or learner.processes > 1:
-        raise ValueError("warm_start.fit: needs a one-process learner without length bucketing (bucket_widths='')")
+    same updates as ``for r in rows: learner.update(batch.rows(r))`` up to float rounding, run
+    `steps_per_call` at a time in one compiled call (`Learner.updates`); returns the per-step
+    losses [steps]. `on_steps(losses)` is called with each call's losses (a progress bar)."""
     host = validate_batch(batch)
-    steps = len(rows)
-    if steps and rows.shape[1] % learner.cfg.micro_batch_size:
-        raise ValueError(f"warm_start.fit: batch size {rows.shape[1]} is not a multiple of micro_batch_size "
-                         f"{learner.cfg.micro_batch_size}")
-    mesh = learner.mesh
-    layout = Layout.of((learner.params, learner.opt_state)) if mesh is not None else None
-    static = dict(graphdef=learner.graphdef, cfg=learner.cfg, layout=layout, loss_scaling=learner.loss_scaling)
     losses: list[np.ndarray] = []
-    pending: list[dict[str, jax.Array]] = []
-
-    def collect(metrics: dict[str, jax.Array]) -> None:  # one fetch per call, after the next was dispatched
-        m = jax.device_get(metrics)
-        for skipped in np.asarray(m["skipped"]):
-            learner.record_update(skipped=bool(skipped))
-        losses.append(np.asarray(m["loss"], np.float32))
+    for start, stop in call_bounds(len(rows), steps_per_call):
+        metrics = learner.updates(jax.tree.map(lambda x: x[rows[start:stop]], host))  # [K, B, ...] fields
+        losses.append(np.asarray(metrics["loss"], np.float32))
         if on_steps is not None:
             on_steps(losses[-1])
-
-    with jax.set_mesh(mesh) if mesh is not None else nullcontext():
-        for start, stop in call_bounds(steps, steps_per_call):
-            stacked = jax.tree.map(lambda x: x[rows[start:stop]], host)  # [K, B, ...]
-            learner.params, learner.opt_state, learner.scaler, metrics = _train_steps(
-                learner.params, learner.rest, learner.opt_state, learner.scaler, stacked, **static)
-            if pending:
-                collect(pending.pop())
-            pending.append(metrics)
-        if pending:
-            collect(pending.pop())
     return np.concatenate(losses) if losses else np.zeros(0, np.float32)
 
 
