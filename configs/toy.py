@@ -39,6 +39,9 @@ def get_config():
     # the toy's rows are ~150-350 tokens: pow2's 256/512 padded ~35-40% of a batch's slots, widths every
     # 64 tokens ~12% (bench/RESULTS.md, 2026-12-07): fewer padded tokens in every update, more widths to compile
     c.algo.bucket_widths = "every:64"
+    # the learner's queries in blocks of 32 tokens skip the causal upper triangle (exact up to float
+    # summation order): its step is ~1.4x faster at the toy's head_dim 16 (bench/RESULTS.md, 2026-12-07, late)
+    c.model.attention_block = 32
     c.optim.lr = 1e-3
     c.optim.warmup_steps = 2
     c.mesh.fsdp = 1

@@ -36,6 +36,7 @@ BASE = key()
     # how a sandbox fault is handled, not what a demonstration's call may do
     ("sandbox.hang_grace_s", 5.0), ("sandbox.infra_retries", 0),
     ("algo.logprob_chunk", 64),  # the RL learner's chunking; the fit's is warmup_sft.logprob_chunk
+    ("model.attention_block", 0),  # the RL learner's query blocks; the fit's are warmup_sft.attention_block
 ])
 def test_keys_the_warm_start_does_not_read_keep_the_key(path, value):
     assert key(setter(path, value))[0] == BASE[0]

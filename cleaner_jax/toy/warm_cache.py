@@ -61,7 +61,9 @@ WARM_KEYS: dict[str, tuple[str, ...] | None] = {
     "mesh": None,           # how the fit is sharded
     "train": ("seed",),     # the tiny init, the demonstrations' problems and draws, the batch order
 }
-NOT_KEYED = {("warmup_sft", "cache_dir")}
+# model.attention_block only blocks the RL learner's attention: the fit has its own
+# (warmup_sft.attention_block), so runs that differ in it share one warm start.
+NOT_KEYED = {("warmup_sft", "cache_dir"), ("model", "attention_block")}
 # What the evaluation before step 1 reads on top of the warm start: the evaluation settings and
 # benchmarks, the rollout engine, the scoring, and SAAR's loop settings; the `saar` keys the
 # evaluation sets itself (enable, rollback_probability, logprob_mode: `eval.runner._variant`) or
