@@ -155,3 +155,42 @@ def test_the_private_import_check_fails_on_one(tmp_path: Path, module: str, line
     target.write_text(target.read_text() + f"\n{line}  # deliberately private\n")
     found = _private_imports(parent / "cleaner_jax")
     assert len(found) >= 1 and all(str(Path(module)) in f for f in found), found
+
+
+MAX_MODULE_LINES = 450  # the house rule: a module a reader can hold in mind
+MAX_CLASS_LINES = 300
+
+
+def _oversized(package: Path) -> list[str]:
+    """`file: lines` for every module over MAX_MODULE_LINES and `file:line Class: lines` for
+    every class over MAX_CLASS_LINES (a class counts from its decorators' line to its last)."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{rel}: {lines} lines (module limit {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                size = node.end_lineno - start + 1
+                if size > MAX_CLASS_LINES:
+                    found.append(f"{rel}:{start} {node.name}: {size} lines (class limit {MAX_CLASS_LINES})")
+    return found
+
+
+def test_no_module_or_class_over_the_size_limit() -> None:
+    assert _oversized(ROOT / "cleaner_jax") == []
+
+
+def test_the_size_check_fails_on_a_long_class(tmp_path: Path) -> None:
+    parent = _copy_package(tmp_path)
+    target = parent / "cleaner_jax" / "rl" / "plan.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_MODULE_LINES))  # over both limits
+    target.write_text(target.read_text() + f"\n\nclass Long:\n{body}\n")
+    found = _oversized(parent / "cleaner_jax")
+    assert any("plan.py" in f and "Long" in f for f in found), found
+    assert any("plan.py" in f and "module limit" in f for f in found), found
