@@ -15,7 +15,7 @@ from cleaner_jax.agent.loop import AgentLoop
 from cleaner_jax.agent.scripted import ScriptedPolicy, code_call
 from cleaner_jax.agent.tools import SandboxExecutor
 from cleaner_jax.chat.template import ChatFormat
-from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.toy.checkpoint import build_tokenizer
 from cleaner_jax.tools.sandbox import Sandbox
 

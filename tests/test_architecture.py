@@ -194,3 +194,28 @@ def test_the_size_check_fails_on_a_long_class(tmp_path: Path) -> None:
     found = _oversized(parent / "cleaner_jax")
     assert any("plan.py" in f and "Long" in f for f in found), found
     assert any("plan.py" in f and "module limit" in f for f in found), found
+
+
+# one kind of thing in parallel folders, listed in docs/architecture.md ("Module names are unique")
+SHARED_MODULE_NAMES = {"config.py", "runner.py", "plots.py", "livecodebench.py"}
+
+
+def _repeated_module_names(package: Path) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(package.parent)))
+    return {name: paths for name, paths in names.items() if len(paths) > 1}
+
+
+def test_module_names_repeat_only_where_the_docs_say() -> None:
+    repeated = _repeated_module_names(ROOT / "cleaner_jax")
+    assert set(repeated) <= SHARED_MODULE_NAMES, {k: v for k, v in repeated.items() if k not in SHARED_MODULE_NAMES}
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(f"`{name}`" in doc for name in SHARED_MODULE_NAMES)
+
+
+def test_the_name_check_sees_a_repeat(tmp_path: Path) -> None:
+    parent = _copy_package(tmp_path)
+    (parent / "cleaner_jax" / "eval" / "learner.py").write_text('"""A second learner.py."""\n')
+    assert "learner.py" in _repeated_module_names(parent / "cleaner_jax")

@@ -20,7 +20,7 @@ from cleaner_jax.rollout.protocol import UNKNOWN_VERSION
 from cleaner_jax.session import run_on
 from cleaner_jax.train_steps.collection import Collected, Draw
 from cleaner_jax.train_steps.overlap import OverlappedCollection
-from cleaner_jax.train_steps.staleness import StalenessBound, UnknownVersionError
+from cleaner_jax.train_steps.staleness_bound import StalenessBound, UnknownVersionError
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
 
 

@@ -118,7 +118,7 @@ def test_fp16_overflow_is_skipped_bit_identically_and_halves_the_scale(ckpt):
     lr = learner(ckpt, "float16")
     assert lr.loss_scaling and lr.loss_scale == 2.0 ** 16
     lr.update(make_batch(1))  # a normal update first, so the Adam moments are not zeros
-    assert lr.step == 1
+    assert lr.updates_applied == 1
     before, scale = state_np(lr), lr.loss_scale
     # an advantage of 100 is harmless in f32 (below), but 100 * 2^16 overflows float16's 65504
     m = lr.update(make_batch(2, advantage=100.0)).metrics
@@ -126,10 +126,10 @@ def test_fp16_overflow_is_skipped_bit_identically_and_halves_the_scale(ckpt):
     assert not np.isfinite(m["grad_norm"])
     assert_bit_identical(before, state_np(lr))
     assert lr.loss_scale == scale / 2
-    assert (lr.step, lr.skipped_steps, lr.consecutive_skips, lr.skipped_calls) == (1, 1, 1, [1])
+    assert (lr.updates_applied, lr.skipped_updates, lr.consecutive_skips, lr.skipped_at) == (1, 1, 1, [1])
     m = lr.update(make_batch(3)).metrics  # a finite update resets the run of skips and keeps the scale
     assert m["skipped"] == 0.0 and lr.loss_scale == scale / 2
-    assert (lr.step, lr.skipped_steps, lr.consecutive_skips) == (2, 1, 0)
+    assert (lr.updates_applied, lr.skipped_updates, lr.consecutive_skips) == (2, 1, 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -140,7 +140,7 @@ def test_f32_and_bf16_never_scale(ckpt, dtype):
         m = lr.update(make_batch(seed, adv)).metrics
         assert m["skipped"] == 0.0 and m["loss_scale"] == 1.0 and np.isfinite(m["grad_norm"])
     assert lr.loss_scale == 1.0 and int(lr.scaler.good_steps) == 0  # growth_interval=1 had no effect
-    assert (lr.step, lr.skipped_steps) == (3, 0)
+    assert (lr.updates_applied, lr.skipped_updates) == (3, 0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -153,7 +153,7 @@ def test_non_finite_loss_is_skipped_in_every_dtype(ckpt, dtype):
     assert m["skipped"] == 1.0 and not np.isfinite(m["loss"])
     assert_bit_identical(before, state_np(lr))
     assert lr.loss_scale == (scale / 2 if dtype == "float16" else 1.0)
-    assert (lr.step, lr.consecutive_skips) == (1, 1)
+    assert (lr.updates_applied, lr.consecutive_skips) == (1, 1)
 
 
 def test_scale_grows_after_the_interval(ckpt):
@@ -187,7 +187,7 @@ def test_scaler_state_survives_a_checkpoint(ckpt, tmp_path):
     b = learner(ckpt, "float16", checkpoint_dir=tmp_path / "ck", growth_interval=2)  # fresh, as after a crash
     step, extra = b.restore()
     assert (step, extra) == (3, {"data_position": 5})
-    assert (b.loss_scale, int(b.scaler.good_steps), b.skipped_steps, b.consecutive_skips, b.step) == (
+    assert (b.loss_scale, int(b.scaler.good_steps), b.skipped_updates, b.consecutive_skips, b.updates_applied) == (
         2.0 ** 15, 1, 1, 0, 2)
     assert [b.update(x).metrics for x in batches[3:]] == expected
     assert_bit_identical(expected_state, state_np(b))
@@ -206,7 +206,7 @@ def test_a_checkpoint_without_scaler_state_restores_with_a_warning(ckpt, tmp_pat
     b.update(make_batch(2, advantage=3e38))  # and skip once (scale 4, counters 1), to see the reset
     assert b.restore() == (1, {"data_position": 3})
     assert "no loss-scaler state" in caplog.text
-    assert (b.step, b.loss_scale, int(b.scaler.good_steps), b.skipped_steps, b.consecutive_skips) == (4, 8.0, 0, 0, 0)
+    assert (b.updates_applied, b.loss_scale, int(b.scaler.good_steps), b.skipped_updates, b.consecutive_skips) == (4, 8.0, 0, 0, 0)
     assert_bit_identical(weights, state_np(b))
     b.close()
 
@@ -251,7 +251,7 @@ def test_consecutive_skips_stop_the_run_after_a_checkpoint(ckpt, tmp_path):
     fresh = learner(ckpt, "float32", checkpoint_dir=tmp_path / "ck")
     assert fresh.restore() == (7, {"data_position": 9})  # on disk when the error was raised
     assert_bit_identical(good, state_np(fresh))  # the last good parameters and moments
-    assert (fresh.skipped_steps, fresh.consecutive_skips, fresh.step) == (3, 3, 1)
+    assert (fresh.skipped_updates, fresh.consecutive_skips, fresh.updates_applied) == (3, 3, 1)
     fresh.close()
 
 

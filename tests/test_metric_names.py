@@ -21,7 +21,7 @@ from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.report import markdown, metric_dict, summarise
 from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
 from cleaner_jax.rl.staleness import staleness_metrics
-from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.trajectory import Episode, RawTrajectory, Segment, ToolStats, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -223,7 +223,7 @@ def test_bucketed_fp16_loss_scale_and_skip_equal_padded(ckpt):
         before = state_np(lr)
         m2 = lr.update(make_batch(5, advantage=100.0)).metrics  # 100 * 2^16 overflows float16
         assert all(a.tobytes() == b.tobytes() for a, b in zip(before, state_np(lr)))
-        runs.append((m1, m2, lr.loss_scale, lr.skipped_steps, state_np(lr)))
+        runs.append((m1, m2, lr.loss_scale, lr.skipped_updates, state_np(lr)))
     (a1, a2, sa, ka, pa), (b1, b2, sb, kb, pb) = runs
     assert (a1["skipped"], b1["skipped"], a2["skipped"], b2["skipped"]) == (0.0, 0.0, 1.0, 1.0)
     assert a1["loss_scale"] == b1["loss_scale"] == 2.0 ** 16 and sa == sb == 2.0 ** 15 and ka == kb == 1
@@ -240,7 +240,7 @@ def test_non_finite_loss_is_skipped_when_bucketed(ckpt):
     m = lr.update(make_batch(7, advantage=3e38)).metrics  # each token finite, the sum is not
     assert m["skipped"] == 1.0 and not np.isfinite(m["loss"])
     assert all(a.tobytes() == b.tobytes() for a, b in zip(before, state_np(lr)))
-    assert (lr.step, lr.consecutive_skips) == (1, 1)
+    assert (lr.updates_applied, lr.consecutive_skips) == (1, 1)
 
 
 def test_compiles_are_bounded_by_the_widths(ckpt):

@@ -208,7 +208,7 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path):
     b = Learner(params.from_pretrained(ckpt), c, checkpoint_dir=ck)  # fresh weights, as after a crash
     step, extra = b.restore()
     assert step == 2 and extra["data_position"] == 17 and extra["rng"] == rng_state
-    assert b.step == 2
+    assert b.updates_applied == 2
     got = b.update(batches[2]).metrics
     assert got == expected  # identical, including lr from the restored update count
     for x, y in zip(expected_params, params_np(b)):

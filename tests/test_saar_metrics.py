@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, Segment, ToolStats
-from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.saar.purify import purify
 
 

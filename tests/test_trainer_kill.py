@@ -51,7 +51,7 @@ def _drive(argv: list[str]) -> None:
     import cleaner_jax.toy.checkpoint as tiny
     import cleaner_jax.train as T
     import cleaner_jax.train_steps as S
-    import cleaner_jax.train_steps.loop as L
+    import cleaner_jax.train_steps.step_loop as L
     from orbax.checkpoint._src.path import async_path
 
     def tearing(save_file):  # safetensors' save_file, as params / toy.checkpoint call it

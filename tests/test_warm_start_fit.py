@@ -71,7 +71,7 @@ def test_fit_equals_the_step_by_step_loop(ckpt, attention_block):
     atol = 1e-6 if attention_block == 0 else 5e-5
     for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=atol)
-    assert (new.step, new.calls, new.skipped_steps) == (ref.step, ref.calls, ref.skipped_steps) == (7, 7, 0)
+    assert (new.updates_applied, new.updates_run, new.skipped_updates) == (ref.updates_applied, ref.updates_run, ref.skipped_updates) == (7, 7, 0)
 
 
 def test_fit_refuses_rows_that_do_not_split_into_micro_batches(ckpt):

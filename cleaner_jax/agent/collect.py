@@ -43,7 +43,7 @@ from cleaner_jax.rl.advantages import groups_still_needed, informative_groups
 from cleaner_jax.rollout.continuation import MAX_CONTINUATIONS, generate_continued
 from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.protocol import Generate, GenOutput, Rescorer
-from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.trajectory import ScoredEpisode
 
 log = logging.getLogger(__name__)

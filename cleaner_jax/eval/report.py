@@ -4,7 +4,7 @@ that a resumed evaluation reports exactly what an uninterrupted one does.
 `results.json`: one entry per benchmark and SAAR setting, with the authors' metrics
 (docs/authors.md §8: mean@n, std@n, bootstrap best@k / worst@k / maj@k), the unbiased pass@k,
 a bootstrap confidence interval of mean@n over problems, tool and SAAR metrics
-(`saar.metrics.step_metrics`, as in training), the settings and seeds, and wall times.
+(`saar.tool_metrics.step_metrics`, as in training), the settings and seeds, and wall times.
 `results.md`: the same as a table, then the latency table (wall time per problem with and
 without SAAR). Wall times are the only numbers that differ between two runs of the same
 evaluation; they are kept under `timing`.
@@ -22,7 +22,7 @@ import numpy as np
 from cleaner_jax.eval import metrics
 from cleaner_jax.eval.pass_at_k import mean_pass_at_k
 from cleaner_jax.eval.records import EpisodeCodec
-from cleaner_jax.saar.metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.trajectory import Episode
 
 

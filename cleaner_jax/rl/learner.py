@@ -28,7 +28,7 @@ steps regardless; with rare skips the difference is a step of warmup).
 
 Non-finite updates: in every dtype an update whose loss or gradient norm is not finite is
 skipped inside the jitted apply, parameters and optimizer state left bit-identical, and counted
-(`skipped`, `Learner.skipped_steps`, `Learner.consecutive_skips`); with float16 compute a
+(`skipped`, `Learner.skipped_updates`, `Learner.consecutive_skips`); with float16 compute a
 dynamic loss scale (`cleaner_jax.rl.loss_scale`, the authors' grad scaler) also backs off.
 The scaler state and the counters are saved in checkpoints.
 
@@ -104,13 +104,13 @@ class Learner:
                     raise ValueError(f"Learner: {name}={size} is not a multiple of the fsdp mesh axis "
                                      f"({mesh.shape[FSDP]}): each micro-batch is split over it; raise "
                                      "algo.micro_batch_size (or algo.logprob_micro_batch_size) to a multiple")
-        self.step = 0  # optimizer updates applied (a skipped update does not count, nor move the lr schedule)
+        self.updates_applied = 0  # optimizer updates applied (a skipped update does not count, nor move the lr schedule)
         # float16 compute needs a loss scale; bf16 and f32 keep scale 1 and never touch it
         self.loss_scaling = model.config.compute_dtype in SCALED_DTYPES
         self.scaler = self._placed(init_state(cfg.loss_scale, self.loss_scaling))
-        self.calls = 0  # updates run, skipped ones included
-        self.skipped_calls: list[int] = []  # indices (in `calls`) of the skipped updates
-        self.skipped_steps = 0  # skipped updates in the run (restored from checkpoints)
+        self.updates_run = 0  # updates run, skipped ones included
+        self.skipped_at: list[int] = []  # indices (in `updates_run`) of the skipped updates
+        self.skipped_updates = 0  # skipped updates in the run (restored from checkpoints)
         self.consecutive_skips = 0  # skipped updates since the last applied one
         self._checkpointer = Checkpointer(checkpoint_dir, max_checkpoints_to_keep) if checkpoint_dir else None
         self._out_shapes: dict[Any, Any] = {}  # batch structure -> LossOutput shapes
@@ -227,7 +227,7 @@ class Learner:
         host = validate_batch(batch, self._local(self.cfg.micro_batch_size))
         if plan is None:
             plan = self._micro_batches(host.lengths, host.input_ids.shape[1], self.cfg.micro_batch_size)
-        lr = float(self._schedule(jnp.asarray(self.step)))
+        lr = float(self._schedule(jnp.asarray(self.updates_applied)))
         tokens = host.loss_mask.sum()
         policy_tokens = tokens if self.processes == 1 else distributed.all_sum(tokens)
         static = dict(graphdef=self.graphdef, cfg=self.cfg, loss_scaling=self.loss_scaling)
@@ -259,18 +259,18 @@ class Learner:
         self._count(skipped=bool(out["skipped"]))
         return UpdateResult(out, sums, np.where(host.attention_mask > 0, logprobs, 0.0).astype(np.float32))
 
-    def updates(self, batches: Batch) -> dict[str, np.ndarray]:
+    def update_many(self, batches: Batch) -> dict[str, np.ndarray]:
         """K optimizer updates in one compiled call, one per leading index of `batches` ([K, B, T]
         fields, one width), in order; their metrics stacked [K]. The same updates as K `update`
         calls up to float rounding, without K calls' host work: for supervised fits of many small
         updates (the toy's warm start). One learner process; B a multiple of micro_batch_size."""
         if self.processes > 1:
-            raise ValueError("Learner.updates: runs on one learner process's mesh; use update() per mini-batch")
+            raise ValueError("Learner.update_many: runs on one learner process's mesh; use update() per mini-batch")
         k = int(np.shape(batches.input_ids)[0])
         flat = validate_batch(jax.tree.map(lambda x: np.reshape(x, (-1, *np.shape(x)[2:])), batches))
         rows = flat.num_rows // k if k else 0
         if k and rows % self.cfg.micro_batch_size:
-            raise ValueError(f"Learner.updates: batch size {rows} is not a multiple of micro_batch_size "
+            raise ValueError(f"Learner.update_many: batch size {rows} is not a multiple of micro_batch_size "
                              f"{self.cfg.micro_batch_size}")
         stacked = jax.tree.map(lambda x: x.reshape(k, rows, *x.shape[1:]), flat)
         with self._mesh_ctx():
@@ -283,16 +283,16 @@ class Learner:
         return metrics
 
     def _count(self, skipped: bool) -> None:
-        """Count one update: `step` (updates applied, which drives the lr schedule), `calls`,
+        """Count one update: `updates_applied` (updates applied, which drives the lr schedule), `updates_run`,
         and the skip counters."""
         if skipped:
-            self.skipped_calls.append(self.calls)
-            self.skipped_steps += 1
+            self.skipped_at.append(self.updates_run)
+            self.skipped_updates += 1
             self.consecutive_skips += 1
         else:
-            self.step += 1
+            self.updates_applied += 1
             self.consecutive_skips = 0
-        self.calls += 1
+        self.updates_run += 1
 
     def _zero_accumulators(self, mb: Batch) -> tuple[Any, LossOutput]:
         # the metrics' structure depends on the batch's optional fields only: traced once per structure
@@ -322,7 +322,8 @@ class Learner:
         position, RNG state, ...) as checkpoint number `step`."""
         if self._checkpointer is None:
             raise RuntimeError("Learner.save: no checkpoint_dir was given to Learner(...)")
-        extra = {"learner_update": self.step, "user": dict(extra_state or {}), "loss_scale": self._scaler_json()}
+        extra = {"learner_update": self.updates_applied, "user": dict(extra_state or {}),
+                 "loss_scale": self._scaler_json()}
         self._checkpointer.save(step, self.params, self.opt_state, extra)
 
     def wait_until_saved(self) -> None:
@@ -332,26 +333,27 @@ class Learner:
         self._checkpointer.wait()
 
     def _scaler_json(self) -> dict[str, Any]:
-        # the scale is a power of two (or a product of the configured factors): exact as a JSON float
+        # the scale is a power of two (or a product of the configured factors): exact as a JSON float;
+        # "skipped_steps" is the checkpoints' name for the skipped updates (kept: written files use it)
         return {"scale": float(self.scaler.scale), "good_steps": int(self.scaler.good_steps),
-                "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+                "skipped_steps": self.skipped_updates, "consecutive_skips": self.consecutive_skips}
 
     def restore(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
         """Load checkpoint `step` (None = latest); returns ``(step, extra_state)``."""
         if self._checkpointer is None:
             raise RuntimeError("Learner.restore: no checkpoint_dir was given to Learner(...)")
         step, self.params, self.opt_state, extra = self._checkpointer.restore(step, self.params, self.opt_state)
-        self.step = int(extra["learner_update"])
+        self.updates_applied = int(extra["learner_update"])
         if "loss_scale" not in extra:  # evaluating such a checkpoint is fine; resuming restarts the scaler
             self.scaler = self._placed(init_state(self.cfg.loss_scale, self.loss_scaling))
-            self.skipped_steps = self.consecutive_skips = 0
+            self.skipped_updates = self.consecutive_skips = 0
             log.warning("Learner.restore: checkpoint %d has no loss-scaler state (written before loss scaling "
                         "existed): the scale starts at %g and the skip counters at 0", step, self.loss_scale)
             return step, dict(extra["user"])
         ls = extra["loss_scale"]
         self.scaler = self._placed(LossScaleState(jnp.asarray(ls["scale"], jnp.float32),
                                                   jnp.asarray(ls["good_steps"], jnp.int32)))
-        self.skipped_steps, self.consecutive_skips = int(ls["skipped_steps"]), int(ls["consecutive_skips"])
+        self.skipped_updates, self.consecutive_skips = int(ls["skipped_steps"]), int(ls["consecutive_skips"])
         return step, dict(extra["user"])
 
     def latest_checkpoint(self) -> int | None:

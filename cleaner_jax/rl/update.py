@@ -10,7 +10,7 @@ learners of the same model and config share one compiled executable.
 The learner runs one path (`rl.plan`): per micro-batch one `jit_accumulate` (compiled once per
 width), then one `jit_apply` per optimizer update. `jit_train_steps` is several whole updates
 at one width in one compiled call (a `lax.scan` of `train_step`), for supervised fits whose
-many small updates would otherwise pay the per-call host work each time (`Learner.updates`).
+many small updates would otherwise pay the per-call host work each time (`Learner.update_many`).
 """
 from __future__ import annotations
 

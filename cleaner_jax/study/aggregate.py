@@ -61,7 +61,7 @@ def accuracy_key(rows: Rows, benchmark: str) -> str:
 def first_attempt_error_rate(row: Mapping[str, float]) -> float:
     """Failed first attempts over first attempts of the step's training rollouts:
     1 - tool_calls/success_rate (the authors' first-attempt success rate); NaN at a step without
-    any tool call, where saar.metrics writes 0/0 as 0 (which is no 100 % error rate)."""
+    any tool call, where saar.tool_metrics writes 0/0 as 0 (which is no 100 % error rate)."""
     if "tool_calls/success_rate" not in row or row.get("tool_calls/total_attempts") == 0:
         return math.nan
     return 1.0 - row["tool_calls/success_rate"]

@@ -9,7 +9,7 @@ at all (`params.save_pretrained` writes a hidden sibling and renames it), so a r
 warm start finds no `warm_start_model/` and redoes it, never a torn one (docs/reliability.md, row 3).
 
 The fit (`fit`) runs `STEPS_PER_CALL` NLL updates per compiled call through the learner's
-`Learner.updates` (a `lax.scan` of its update over that many pre-stacked batches), whose rows
+`Learner.update_many` (a `lax.scan` of its update over that many pre-stacked batches), whose rows
 are drawn up front by the same generator calls as one `Learner.update` per step drew them. The
 updates are the step-by-step loop's up to float rounding (tests/test_warm_start_fit.py); the
 scanned program rounds differently, and over hundreds of steps Adam amplifies that into small
@@ -94,12 +94,12 @@ def fit(learner: Learner, batch: Batch, rows: np.ndarray, steps_per_call: int = 
         on_steps: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One optimizer update of `learner` per row of `rows` ([steps, B] indices into `batch`), the
     same updates as ``for r in rows: learner.update(batch.rows(r))`` up to float rounding, run
-    `steps_per_call` at a time in one compiled call (`Learner.updates`); returns the per-step
+    `steps_per_call` at a time in one compiled call (`Learner.update_many`); returns the per-step
     losses [steps]. `on_steps(losses)` is called with each call's losses (a progress bar)."""
     host = validate_batch(batch)
     losses: list[np.ndarray] = []
     for start, stop in call_bounds(len(rows), steps_per_call):
-        metrics = learner.updates(jax.tree.map(lambda x: x[rows[start:stop]], host))  # [K, B, ...] fields
+        metrics = learner.update_many(jax.tree.map(lambda x: x[rows[start:stop]], host))  # [K, B, ...] fields
         losses.append(np.asarray(metrics["loss"], np.float32))
         if on_steps is not None:
             on_steps(losses[-1])

@@ -15,7 +15,7 @@
 Imports inside the package point down, as `.importlinter` declares: `loop` above the parts,
 the parts independent of each other, `seeds` and `skips` below them.
 """
-from cleaner_jax.train_steps.loop import StepLoop
+from cleaner_jax.train_steps.step_loop import StepLoop
 from cleaner_jax.train_steps.seeds import EVAL_OFFSET, SEED_STRIDE, eval_seed, rollout_seed
 from cleaner_jax.train_steps.skips import NonFiniteTrainingError, stop_if_stuck, update_episode_ids
 from cleaner_jax.train_steps.sync import WeightSyncFailedError

@@ -27,7 +27,7 @@ from cleaner_jax.data.sampler import ProblemSampler
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
 from cleaner_jax.session import Session
 from cleaner_jax.train_steps.collection import Collected, Draw, StepCollection
-from cleaner_jax.train_steps.staleness import StalenessBound
+from cleaner_jax.train_steps.staleness_bound import StalenessBound
 from cleaner_jax.trajectory import ScoredEpisode
 
 T = TypeVar("T")

@@ -41,7 +41,7 @@ def log_skipped(learner: Learner, step: int, scored: list[ScoredEpisode], calls_
     warning."""
     ids = update_episode_ids(scored, updates, learner.cfg.micro_batch_size // jax.process_count())
     out = []
-    for call in learner.skipped_calls:
+    for call in learner.skipped_at:
         if call >= calls_before:
             k = call - calls_before
             out.append(ids[k])

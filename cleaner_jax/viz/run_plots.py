@@ -19,7 +19,7 @@ log = logging.getLogger("cleaner_jax.viz.run_plots")
 
 # file name -> (title, y label, [(scalar, legend label, transform)]); transform "error_rate":
 # 1 − the success rate, left out (NaN) at steps without any tool call, where the rate is 0/0
-# (saar.metrics writes 0 there, which is not a 100 % error rate); transform "spliced": left out
+# (saar.tool_metrics writes 0 there, which is not a 100 % error rate); transform "spliced": left out
 # (NaN) at steps without a spliced policy token (`splice/token_frac` 0), where the spliced gap is
 # 0/0 (the learner's reduction writes 0 there, which is not a perfect match).
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str, str]]]] = {
@@ -66,7 +66,7 @@ def read_metrics(workdir: str | Path) -> dict[str, tuple[list[int], list[float]]
 
 
 def _error_rate(scalars: dict[str, tuple[list[int], list[float]]], steps: list[int], success: list[float]) -> list[float]:
-    if "tool_calls/total_attempts" not in scalars:  # both come from saar.metrics; an older run may lack it
+    if "tool_calls/total_attempts" not in scalars:  # both come from saar.tool_metrics; an older run may lack it
         log.info("tool_calls/total_attempts missing: first-attempt error rate plotted at every step, 0/0 included")
         return [1.0 - v for v in success]
     calls = dict(zip(*scalars["tool_calls/total_attempts"]))

@@ -39,7 +39,7 @@ from cleaner_jax.train_steps.dump import StepDump
 from cleaner_jax.train_steps.evaluation import Evaluation, on_main
 from cleaner_jax.train_steps.overlap import OverlappedCollection
 from cleaner_jax.train_steps.skips import log_skipped, stop_if_stuck
-from cleaner_jax.train_steps.staleness import StalenessBound
+from cleaner_jax.train_steps.staleness_bound import StalenessBound
 from cleaner_jax.train_steps.sync import WeightSync, WeightSyncFailedError, sync_metrics
 from cleaner_jax.wiring import step_config
 
@@ -122,7 +122,7 @@ class StepLoop:
         metrics.update({
             "data/sampling_rounds": float(got.rounds), "data/position": float(got.position),
             "time/rollout_s": t_rollout, "time/update_s": learned.update_s,
-            "learner/skipped_steps": float(self.learner.skipped_steps),
+            "learner/skipped_updates": float(self.learner.skipped_updates),
             "learner/consecutive_skips": float(self.learner.consecutive_skips),
         })
         if self.overlap is not None:
@@ -154,7 +154,7 @@ class StepLoop:
         r = self.r
         colocate = self.colocated.release() if r.rollout.colocated else {}  # the learner phase gets the memory
         t_learn = time.perf_counter()
-        calls_before = self.learner.calls
+        calls_before = self.learner.updates_run
         out = rl_step_outputs(self.learner, got.mine, self.step_cfg)  # global metrics
         if r.train.debug_update_delay_s > 0:  # a slower learner, for the overlap's measurements (the key's help)
             time.sleep(r.train.debug_update_delay_s)
