@@ -19,7 +19,7 @@ from test_console import console_run
 
 from cleaner_jax.eval.records import EpisodeCodec
 from cleaner_jax.eval.report import markdown, metric_dict, summarise
-from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossConfig, LossInputs, compute_loss, reduce_metrics
 from cleaner_jax.rl.staleness import staleness_metrics
 from cleaner_jax.saar.tool_metrics import step_metrics
 from cleaner_jax.trajectory import Episode, RawTrajectory, Segment, ToolStats, Trajectory
@@ -149,8 +149,9 @@ def test_names_a_toy_run_does_not_write_are_documented_too():
     ones = jnp.ones((2, 4))
     for cfg in [LossConfig(tis="token", splice_correction="tis"), LossConfig(tis="sequence", tis_mode="mask",
                                                                           splice_correction="mask")]:
-        out = compute_loss(cfg, -ones, ones, jnp.array([1.0, -1.0]), old_logp=-ones, entropy=ones,
-                           rollout_logp=-ones, behaviour_logp=-ones, splice_kind=jnp.array([[0, 1, 2, 0]] * 2))
+        inputs = LossInputs(-ones, ones, jnp.array([1.0, -1.0]), old_logp=-ones, entropy=ones, rollout_logp=-ones,
+                            behaviour_logp=-ones, splice_kind=jnp.array([[0, 1, 2, 0]] * 2))
+        out = compute_loss(cfg, inputs)
         names |= {f"learner/{k}" for k in reduce_metrics(out)}
     assert {"learner/tis_weight_mean", "learner/splice_is_ratio_max", "learner/pg_clipfrac_dual"} <= names
     episode = _episode(2, 1, 0)

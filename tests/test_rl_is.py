@@ -16,7 +16,7 @@ from cleaner_jax import wiring
 from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.models import params
 from cleaner_jax.rl.learner import Learner
-from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossConfig, LossInputs, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import build_batch, rl_step
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
@@ -105,9 +105,10 @@ def hand_batch(seed=0):
 
 def jax_loss(cfg, d):
     def f(lp):
-        out = compute_loss(cfg, lp, jnp.asarray(d["mask"]), jnp.asarray(d["adv"]), old_logp=jnp.asarray(d["old"]),
-                           rollout_logp=jnp.asarray(d["rollout"]), behaviour_logp=jnp.asarray(d["behaviour"]),
-                           splice_kind=jnp.asarray(d["kind"]))
+        out = compute_loss(cfg, LossInputs(lp, jnp.asarray(d["mask"]), jnp.asarray(d["adv"]),
+                                           old_logp=jnp.asarray(d["old"]), rollout_logp=jnp.asarray(d["rollout"]),
+                                           behaviour_logp=jnp.asarray(d["behaviour"]),
+                                           splice_kind=jnp.asarray(d["kind"])))
         return out.loss_sum / jnp.maximum(out.loss_count, 1.0), out
 
     (val, out), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(d["logp"], jnp.float32))
@@ -175,8 +176,9 @@ def test_sequence_tis_by_hand():
     rollout = old - np.array([[0.0, 0.5, 0.3, -0.1]])
     mask = np.array([[0, 1, 1, 1]])
     for cap, w in ((2.0, 2.0), (3.0, np.exp(0.7))):
-        out = compute_loss(LossConfig(tis="sequence", tis_cap=cap), jnp.asarray(logp), jnp.asarray(mask),
-                           jnp.asarray([1.0]), old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout))
+        out = compute_loss(LossConfig(tis="sequence", tis_cap=cap),
+                           LossInputs(jnp.asarray(logp), jnp.asarray(mask), jnp.asarray([1.0]),
+                                      old_logp=jnp.asarray(old), rollout_logp=jnp.asarray(rollout)))
         m = reduce_metrics(out)
         assert float(m["tis_weight_mean"]) == pytest.approx(w, rel=1e-6)
         assert float(m["loss"]) == pytest.approx(-w, rel=1e-6)  # ratio 1, A = 1: -w per token

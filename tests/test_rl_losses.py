@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cleaner_jax.rl.losses import LossConfig, combine, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossConfig, LossInputs, combine, compute_loss, reduce_metrics
 
 
 def _np_loss(cfg, logp, mask, adv, old, rollout=None, ent=None):
@@ -61,9 +61,9 @@ def _batch(b=4, t=9, seed=0):
 
 
 def _jax_loss(cfg, d):
-    out = compute_loss(cfg, jnp.asarray(d["logp"]), jnp.asarray(d["mask"]), jnp.asarray(d["adv"]),
-                       old_logp=jnp.asarray(d["old"]), entropy=jnp.asarray(d["ent"]),
-                       rollout_logp=jnp.asarray(d["rollout"]))
+    out = compute_loss(cfg, LossInputs(jnp.asarray(d["logp"]), jnp.asarray(d["mask"]), jnp.asarray(d["adv"]),
+                                       old_logp=jnp.asarray(d["old"]), entropy=jnp.asarray(d["ent"]),
+                                       rollout_logp=jnp.asarray(d["rollout"])))
     return out
 
 
@@ -96,7 +96,8 @@ def test_hand_computed_ppo_clip_and_dual_clip():
     logp = np.log(r)[None]
     adv = np.array([[1.0, 1.0, -2.0, -1.0]])
     mask = np.ones((1, 4))
-    out = compute_loss(LossConfig(), jnp.asarray(logp), jnp.asarray(mask), jnp.asarray(adv), old_logp=jnp.asarray(old))
+    out = compute_loss(LossConfig(), LossInputs(jnp.asarray(logp), jnp.asarray(mask), jnp.asarray(adv),
+                                                old_logp=jnp.asarray(old)))
     # t0: A>0, r=1.5 clipped at 1.28 -> -1.28; t1: A>0, r=0.5 -> max(-0.5, -0.8) = -0.5
     # t2: A<0, r=1.1 -> max(2.2, 2.2) = 2.2; t3: A<0, r=20 -> max(20, 1.28) = 20, dual clip -> 10
     expected = np.mean([-1.28, -0.5, 2.2, 10.0])
@@ -116,8 +117,8 @@ def test_masked_tokens_zero_grad_and_out_of_denominator():
     poisoned["logp"] = np.where(m, d["logp"], 1e4)
 
     def loss_of(logp, dd):
-        out = compute_loss(cfg, logp, jnp.asarray(dd["mask"]), jnp.asarray(dd["adv"]), old_logp=jnp.asarray(dd["old"]),
-                           entropy=jnp.asarray(dd["ent"]))
+        out = compute_loss(cfg, LossInputs(logp, jnp.asarray(dd["mask"]), jnp.asarray(dd["adv"]),
+                                           old_logp=jnp.asarray(dd["old"]), entropy=jnp.asarray(dd["ent"])))
         return out.loss_sum / out.loss_count
 
     val, grad = jax.value_and_grad(loss_of)(jnp.asarray(poisoned["logp"]), poisoned)
@@ -152,8 +153,11 @@ def test_ratio_one_gives_plain_policy_gradient():
     # at old == logp, d loss / d logp = -A / N for every policy token (token-mean)
     d = _batch(seed=2)
     m = d["mask"]
-    g = jax.grad(lambda lp: reduce_metrics(compute_loss(LossConfig(), lp, jnp.asarray(m), jnp.asarray(d["adv"]),
-                                                        old_logp=jnp.asarray(d["logp"])))["loss"])(jnp.asarray(d["logp"]))
+    def loss(lp):
+        return reduce_metrics(compute_loss(LossConfig(), LossInputs(lp, jnp.asarray(m), jnp.asarray(d["adv"]),
+                                                                    old_logp=jnp.asarray(d["logp"]))))["loss"]
+
+    g = jax.grad(loss)(jnp.asarray(d["logp"]))
     expected = -np.broadcast_to(d["adv"][:, None], m.shape) * m / m.sum()
     np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-8)
 
@@ -161,10 +165,10 @@ def test_ratio_one_gives_plain_policy_gradient():
 def test_missing_inputs_and_bad_config_raise():
     d = _batch()
     with pytest.raises(ValueError, match="old_logp"):
-        compute_loss(LossConfig(), jnp.asarray(d["logp"]), jnp.asarray(d["mask"]), jnp.asarray(d["adv"]))
+        compute_loss(LossConfig(), LossInputs(jnp.asarray(d["logp"]), jnp.asarray(d["mask"]), jnp.asarray(d["adv"])))
     with pytest.raises(ValueError, match="rollout_logp"):
-        compute_loss(LossConfig(tis="token"), jnp.asarray(d["logp"]), jnp.asarray(d["mask"]), jnp.asarray(d["adv"]),
-                     old_logp=jnp.asarray(d["old"]))
+        compute_loss(LossConfig(tis="token"), LossInputs(jnp.asarray(d["logp"]), jnp.asarray(d["mask"]),
+                                                         jnp.asarray(d["adv"]), old_logp=jnp.asarray(d["old"])))
     with pytest.raises(ValueError, match=r"LossConfig\.agg: 'mean' is not allowed: use one of 'token-mean', "
                                          r"'seq-mean-token-sum', 'seq-mean-token-mean'"):
         LossConfig(agg="mean")

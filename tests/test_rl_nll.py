@@ -13,7 +13,7 @@ from cleaner_jax.config import validate
 from cleaner_jax.models import params
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
-from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossConfig, LossInputs, compute_loss, reduce_metrics
 from cleaner_jax.rl.step import StepConfig, build_batch, group_advantages, rl_step, shaped_rewards
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
 from cleaner_jax.trajectory import Episode, RawTrajectory, ScoredEpisode, Segment, ToolStats
@@ -30,7 +30,7 @@ def test_nll_correct_imitates_only_correct_rows_by_hand():
     adv = np.array([-0.5, 0.7, 0.2, 1.0])  # the correct row 0 has a negative advantage: still imitated
 
     def loss(lp, cfg):
-        out = compute_loss(cfg, lp, jnp.asarray(mask), jnp.asarray(adv), correct=jnp.asarray(correct))
+        out = compute_loss(cfg, LossInputs(lp, jnp.asarray(mask), jnp.asarray(adv), correct=jnp.asarray(correct)))
         return out.loss_sum / jnp.maximum(out.loss_count, 1.0), out
 
     for which, rows in (("correct", [0, 2]), ("positive_advantage", [1, 2, 3]), ("all", [0, 1, 2, 3])):
@@ -43,8 +43,8 @@ def test_nll_correct_imitates_only_correct_rows_by_hand():
         np.testing.assert_allclose(np.asarray(grad), np.where(chosen, -1.0 / chosen.sum(), 0.0), rtol=1e-6)
         assert float(reduce_metrics(out)["pg_loss"]) == pytest.approx(-logp[chosen].mean(), rel=1e-6)
     with pytest.raises(ValueError, match="nll_sequences='correct' needs correct"):
-        compute_loss(LossConfig(kind="nll", nll_sequences="correct"), jnp.asarray(logp), jnp.asarray(mask),
-                     jnp.asarray(adv))
+        compute_loss(LossConfig(kind="nll", nll_sequences="correct"),
+                     LossInputs(jnp.asarray(logp), jnp.asarray(mask), jnp.asarray(adv)))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from cleaner_jax.rl.batch import from_trajectories
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.logprob_gap import splice_metrics
-from cleaner_jax.rl.losses import LossConfig, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossConfig, LossInputs, compute_loss, reduce_metrics
 from cleaner_jax.saar import config as saar_config
 from cleaner_jax.saar.purify import purify
 from cleaner_jax.toy.checkpoint import make_tiny_checkpoint
@@ -153,9 +153,9 @@ R = np.exp([0.9, -0.1, -1.2, 0.3])
 
 def corrected(cfg):
     def f(lp):
-        out = compute_loss(cfg, lp, jnp.asarray(MASK), jnp.asarray([1.0]), old_logp=jnp.asarray(OLD),
-                           rollout_logp=jnp.asarray(ROLLOUT), behaviour_logp=jnp.asarray(BEHAVIOUR),
-                           splice_kind=jnp.asarray(KIND))
+        out = compute_loss(cfg, LossInputs(lp, jnp.asarray(MASK), jnp.asarray([1.0]), old_logp=jnp.asarray(OLD),
+                                           rollout_logp=jnp.asarray(ROLLOUT), behaviour_logp=jnp.asarray(BEHAVIOUR),
+                                           splice_kind=jnp.asarray(KIND)))
         return out.loss_sum / jnp.maximum(out.loss_count, 1.0), out
 
     (loss, out), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(OLD, jnp.float32))
@@ -205,18 +205,20 @@ def test_rollout_is_and_splice_tis_partition_the_tokens():
 
 
 def test_exclude_applies_to_the_nll_control_too():
-    out = compute_loss(LossConfig(kind="nll", splice_correction="exclude"), jnp.asarray(OLD), jnp.asarray(MASK),
-                       jnp.asarray([1.0]), splice_kind=jnp.asarray(KIND))
+    out = compute_loss(LossConfig(kind="nll", splice_correction="exclude"),
+                       LossInputs(jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray([1.0]),
+                                  splice_kind=jnp.asarray(KIND)))
     assert float(out.loss_count) == 2 and float(out.loss_sum) == pytest.approx(-2 * np.log(0.4), rel=1e-6)
 
 
 def test_missing_inputs_raise():
     with pytest.raises(ValueError, match="splice_correction='tis' needs splice_kind"):
-        compute_loss(LossConfig(splice_correction="tis"), jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray([1.0]),
-                     old_logp=jnp.asarray(OLD))
+        compute_loss(LossConfig(splice_correction="tis"),
+                     LossInputs(jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray([1.0]), old_logp=jnp.asarray(OLD)))
     with pytest.raises(ValueError, match="splice_correction='mask' needs behaviour_logp"):
-        compute_loss(LossConfig(splice_correction="mask"), jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray([1.0]),
-                     old_logp=jnp.asarray(OLD), splice_kind=jnp.asarray(KIND))
+        compute_loss(LossConfig(splice_correction="mask"),
+                     LossInputs(jnp.asarray(OLD), jnp.asarray(MASK), jnp.asarray([1.0]), old_logp=jnp.asarray(OLD),
+                                splice_kind=jnp.asarray(KIND)))
 
 
 # ----------------------------------------------------------------------------- config

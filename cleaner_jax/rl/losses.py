@@ -2,6 +2,10 @@
 rollout importance sampling, the splice correction) and the supervised NLL control. There is no
 KL term: the authors train without one, and no reference policy exists here.
 
+The arrays arrive as one `LossInputs` record; its `check` says, once and before any maths,
+which optional arrays the `LossConfig` needs (old log-probs for ppo, rollout log-probs for
+rollout IS, ...).
+
 Every loss returns an unreduced ``(sum, count)`` pair instead of a mean: the learner sums both
 over micro-batches and divides once, so a token-mean over a mini-batch is exact however its
 tokens are split. Metrics are returned the same way. All ``[B, T]`` inputs are position-aligned
@@ -29,7 +33,7 @@ tokens they weigh (see `cleaner_jax.rl.importance`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple
 
 import jax
@@ -114,22 +118,59 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> tuple[jax.Arr
     return jnp.sum(seq), jnp.sum(has_tokens.astype(jnp.float32))
 
 
-def compute_loss(
-    cfg: LossConfig,
-    logp: jax.Array,  # [B, T] current policy, with gradient
-    mask: jax.Array,  # [B, T] 1 = policy token
-    advantages: jax.Array,  # [B] or [B, T]
-    old_logp: jax.Array | None = None,  # [B, T] required for kind="ppo"
-    entropy: jax.Array | None = None,  # [B, T] required if entropy_coef > 0 (else only logged)
-    rollout_logp: jax.Array | None = None,  # [B, T] required if tis != "none"
-    behaviour_logp: jax.Array | None = None,  # [B, T] required if splice_correction is tis or mask
-    splice_kind: jax.Array | None = None,  # [B, T] > 0 on spliced tokens; required if splice_correction != none
-    correct: jax.Array | None = None,  # [B] 1 = the sequence's answer is correct; required for nll_sequences=correct
-) -> LossOutput:
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's arrays for `compute_loss`, as one typed record instead of a long
+    positional list. The optional arrays are needed only by some settings; `check` is the one
+    place that says which, so a missing array fails before any maths, with the setting that
+    needs it. A registered pytree, so it passes through `jax.jit` and `jax.tree.map` as it is."""
+
+    logp: jax.Array  # [B, T] current policy, with gradient
+    mask: jax.Array  # [B, T] 1 = policy token
+    advantages: jax.Array  # [B] or [B, T]
+    old_logp: jax.Array | None = None  # [B, T] pi_old; required for kind="ppo"
+    entropy: jax.Array | None = None  # [B, T] required if entropy_coef > 0 (else only logged)
+    rollout_logp: jax.Array | None = None  # [B, T] required if tis != "none" (kind="ppo")
+    behaviour_logp: jax.Array | None = None  # [B, T] required if splice_correction is tis or mask
+    splice_kind: jax.Array | None = None  # [B, T] > 0 on spliced tokens; required if splice_correction != none
+    correct: jax.Array | None = None  # [B] 1 = the sequence's answer is correct; required for nll_sequences=correct
+
+    def check(self, cfg: LossConfig) -> None:
+        """Raise ValueError for the first array `cfg` needs and this record lacks, or for a
+        setting the loss cannot honour (a splice weight on the nll control). `compute_loss`
+        calls it once and then reads the fields it needs without asking again."""
+        sc = cfg.splice_correction
+        if sc != "none" and self.splice_kind is None:
+            raise ValueError(f"compute_loss: splice_correction={sc!r} needs splice_kind")
+        if cfg.kind == "ppo":
+            if self.old_logp is None:
+                raise ValueError("compute_loss: kind='ppo' needs old_logp")
+            if cfg.tis != "none" and self.rollout_logp is None:
+                raise ValueError(f"compute_loss: tis={cfg.tis!r} needs rollout_logp")
+            if sc in ("tis", "mask") and self.behaviour_logp is None:
+                raise ValueError(f"compute_loss: splice_correction={sc!r} needs behaviour_logp")
+        elif cfg.kind == "nll":
+            if sc in ("tis", "mask"):
+                raise ValueError(f"compute_loss: splice_correction={sc!r} weights the ppo loss only")
+            if cfg.nll_sequences == "correct" and self.correct is None:
+                raise ValueError("compute_loss: nll_sequences='correct' needs correct [B] (the batch's `correct`)")
+            if cfg.nll_sequences not in ("all", "correct", "positive_advantage"):
+                raise ValueError(f"compute_loss: unknown nll_sequences {cfg.nll_sequences!r}")
+        else:
+            raise ValueError(f"compute_loss: unknown kind {cfg.kind!r}")
+        if cfg.entropy_coef > 0 and self.entropy is None:
+            raise ValueError("compute_loss: entropy_coef > 0 needs entropy")
+
+
+jax.tree_util.register_dataclass(LossInputs, data_fields=[f.name for f in fields(LossInputs)], meta_fields=[])
+
+
+def compute_loss(cfg: LossConfig, inputs: LossInputs) -> LossOutput:
     """The configured loss on one micro-batch, unreduced. See the module docstring."""
-    m = mask.astype(bool)
-    logp = logp.astype(jnp.float32)
-    adv = advantages.astype(jnp.float32)
+    inputs.check(cfg)  # from here on, every array the settings need is present
+    m = inputs.mask.astype(bool)
+    logp = inputs.logp.astype(jnp.float32)
+    adv = inputs.advantages.astype(jnp.float32)
     adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, m.shape)
     adv = jnp.where(m, adv, 0.0)
     sums: dict[str, jax.Array] = {}
@@ -142,48 +183,32 @@ def compute_loss(
         maxes.update(stats[2])
 
     if cfg.splice_correction != "none":
-        if splice_kind is None:
-            raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} needs splice_kind")
-        spliced = m & (splice_kind > 0)
+        spliced = m & (inputs.splice_kind > 0)
     else:
         spliced = jnp.zeros_like(m)
     used = m  # the tokens that enter the loss and its denominator
     weight = jnp.ones(m.shape, jnp.float32)
     if cfg.kind == "ppo":
-        if old_logp is None:
-            raise ValueError("compute_loss: kind='ppo' needs old_logp")
-        old = jnp.where(m, old_logp.astype(jnp.float32), 0.0)
+        old = jnp.where(m, inputs.old_logp.astype(jnp.float32), 0.0)
         if cfg.tis != "none":
-            if rollout_logp is None:
-                raise ValueError(f"compute_loss: tis={cfg.tis!r} needs rollout_logp")
             # a spliced token was sampled from the behaviour policy, not the engine in this context:
             # under a splice correction it is that correction's business, and the rollout ratio
             # runs over the other policy tokens only (docs/estimators.md §3)
             tokens = m & ~spliced if cfg.splice_correction != "none" else m
-            w, keep, stats = rollout_is(old, jnp.where(m, rollout_logp.astype(jnp.float32), 0.0), m, tokens,
+            w, keep, stats = rollout_is(old, jnp.where(m, inputs.rollout_logp.astype(jnp.float32), 0.0), m, tokens,
                                         cfg.tis, cfg.tis_mode, cfg.tis_cap)
             weight, used = weight * w, used & keep
             add_stats(stats)
         if cfg.splice_correction in ("tis", "mask"):
-            if behaviour_logp is None:
-                raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} needs behaviour_logp")
-            w, keep, stats = splice_is(old, jnp.where(m, behaviour_logp.astype(jnp.float32), 0.0), spliced, m,
+            w, keep, stats = splice_is(old, jnp.where(m, inputs.behaviour_logp.astype(jnp.float32), 0.0), spliced, m,
                                        cfg.splice_correction, cfg.splice_cap)
             weight, used = weight * w, used & keep
             add_stats(stats)
-    elif cfg.kind == "nll":
-        if cfg.splice_correction in ("tis", "mask"):
-            raise ValueError(f"compute_loss: splice_correction={cfg.splice_correction!r} weights the ppo loss only")
-        if cfg.nll_sequences == "positive_advantage":
+    else:  # nll: `check` admits no other kind
+        if cfg.nll_sequences == "positive_advantage":  # ("all": every policy token)
             used = used & (adv > 0)
         elif cfg.nll_sequences == "correct":
-            if correct is None:
-                raise ValueError("compute_loss: nll_sequences='correct' needs correct [B] (the batch's `correct`)")
-            used = used & (correct.astype(jnp.float32)[:, None] > 0)
-        elif cfg.nll_sequences != "all":
-            raise ValueError(f"compute_loss: unknown nll_sequences {cfg.nll_sequences!r}")
-    else:
-        raise ValueError(f"compute_loss: unknown kind {cfg.kind!r}")
+            used = used & (inputs.correct.astype(jnp.float32)[:, None] > 0)
     if cfg.splice_correction == "exclude":
         used = used & ~spliced
     nused = jnp.sum(used.astype(jnp.float32))
@@ -217,13 +242,11 @@ def compute_loss(
         l_tok = -jnp.where(used, logp, 0.0)
     token_metric("pg_loss", l_tok)
 
-    if entropy is not None:
-        ent = jnp.where(used, entropy.astype(jnp.float32), 0.0)
+    if inputs.entropy is not None:  # logged whenever given; in the loss only with a coefficient
+        ent = jnp.where(used, inputs.entropy.astype(jnp.float32), 0.0)
         token_metric("entropy", jax.lax.stop_gradient(ent))
         if cfg.entropy_coef > 0:
             l_tok = l_tok - cfg.entropy_coef * ent
-    elif cfg.entropy_coef > 0:
-        raise ValueError("compute_loss: entropy_coef > 0 needs entropy")
 
     loss_sum, loss_count = aggregate(l_tok, used, cfg.agg)
     return LossOutput(loss_sum, loss_count, sums, counts, maxes)

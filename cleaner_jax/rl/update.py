@@ -28,7 +28,7 @@ from cleaner_jax.rl.learner_config import LearnerConfig, OptimizerConfig
 from cleaner_jax.rl.logprob_gap import logprob_gap_sums
 from cleaner_jax.rl.logprobs import token_logprobs
 from cleaner_jax.rl.loss_scale import LossScaleState, next_state
-from cleaner_jax.rl.losses import LossOutput, combine, compute_loss, reduce_metrics
+from cleaner_jax.rl.losses import LossInputs, LossOutput, combine, compute_loss, reduce_metrics
 
 
 def lr_schedule(cfg: OptimizerConfig) -> Callable[[jax.Array], jax.Array]:
@@ -80,9 +80,9 @@ def micro_loss(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, re
     logp, ent = model_logprobs(graphdef, params, rest, mb.input_ids, mb.attention_mask, cfg.temperature,
                                cfg.logprob_chunk_size, with_entropy=True)
     old = mb.old_logprobs if mb.old_logprobs is not None else jax.lax.stop_gradient(logp)
-    out = compute_loss(cfg.loss, logp, mb.loss_mask, mb.advantages, old_logp=old, entropy=ent,
-                       rollout_logp=mb.rollout_logprobs, behaviour_logp=mb.behaviour_logprobs,
-                       splice_kind=mb.splice_kind, correct=mb.correct)
+    out = compute_loss(cfg.loss, LossInputs(logp, mb.loss_mask, mb.advantages, old_logp=old, entropy=ent,
+                                            rollout_logp=mb.rollout_logprobs, behaviour_logp=mb.behaviour_logprobs,
+                                            splice_kind=mb.splice_kind, correct=mb.correct))
     if mb.rollout_logprobs is not None:
         # gap/*: the engine-vs-learner (sync) mismatch on tokens sampled in the context they are
         # trained in; gap/spliced/*: on spliced tokens (their rollout log-probs are re-scored in
