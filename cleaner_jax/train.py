@@ -46,6 +46,7 @@ from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.metrics_writer import MetricsWriter, NullMetricsWriter, parse_loggers
 from cleaner_jax.rollout.client import SGLangClient
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
+from cleaner_jax.rollout.memory import freeze_startup_heap
 from cleaner_jax.rollout.weight_sync import ContextBudgetError, check_context_budget, require_context_budget
 from cleaner_jax.session import (Session, apply_xla_memory, discard_after, export_root, log_to_file, make_mesh,
                                   prepare_model_dir, server_urls, use_compilation_cache)
@@ -225,6 +226,7 @@ def main(argv: list[str]) -> None:
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     use_compilation_cache(r)  # before anything compiles
+    freeze_startup_heap()  # before any weights load: cheaper collections for the whole run
     if distributed.is_main():
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     try:

@@ -146,6 +146,27 @@ def test_a_weight_update_frees_the_previous_weights(server, engine):
     assert generate(server.url, GREEDY)["output_ids"] == before["output_ids"]  # checkpoint 0 again
 
 
+def test_a_frozen_startup_heap_still_frees_the_replaced_weights(server, engine):
+    """The server freezes its heap at start (`freeze_startup_heap`, before the model loads): the
+    weights loaded after it are outside the frozen generation, so a sync still frees them."""
+    import gc
+
+    from cleaner_jax.rollout.memory import freeze_startup_heap
+    version = engine.weight_version
+    freeze_startup_heap()
+    try:
+        assert gc.get_freeze_count() > 0
+        for path in (checkpoint(1), checkpoint(0)):
+            status, out = call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(path)})
+            assert status == 200 and out["success"], out
+            if path == checkpoint(1):
+                loaded = [weakref.ref(x) for x in jax.tree.leaves(engine._state)]  # after the freeze
+        assert [r() for r in loaded if r() is not None] == []
+    finally:
+        gc.unfreeze()
+        engine.weight_version = version
+
+
 def test_requests_while_released_are_refused_clearly(server, engine):
     url = server.url
     status, out = call(url, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})

@@ -31,6 +31,17 @@ def free_dropped_weights() -> None:
     gc.collect()
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the imported modules, functions and classes: most of a
+    process's ~140k tracked objects) into the collector's permanent generation, so that each
+    full collection, `free_dropped_weights`'s after every weight load included, scans only what
+    the run created since (~70 ms -> ~1 ms a collection in the server, bench/RESULTS.md). Call it
+    at a process's start, before any weights are loaded: frozen objects are never collected, so
+    weights frozen in a reference cycle would stay in memory for good."""
+    gc.collect()
+    gc.freeze()
+
+
 def check_tags(tags: list[str] | None) -> list[str]:
     """The memory-occupation tags asked for: None or [] means all (SGLang's rule)."""
     if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):

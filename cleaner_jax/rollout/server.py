@@ -32,6 +32,7 @@ from cleaner_jax.models import compile_cache
 from cleaner_jax.models.ops import Ops
 from cleaner_jax.rollout.decode_backend import DECODE_BACKENDS
 from cleaner_jax.rollout.engine import Engine, MemoryReleasedError
+from cleaner_jax.rollout.memory import freeze_startup_heap
 from cleaner_jax.rollout.request import GenRequest, SamplingParams, UnknownFieldError
 from cleaner_jax.rollout.server_control import CONTROL_ROUTES
 from cleaner_jax.rollout.server_state import STATE, Handler, ServerState, once_loaded
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("persistent compilation cache: %s", compile_cache.enable(args.compilation_cache_dir))
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
+    freeze_startup_heap()  # before the model loads
     handle = start_server_in_thread(
         args.model_path, host=args.host, port=args.port, wait_ready=True,
         max_wait_s=args.batch_wait_ms / 1000, dtype=args.dtype, decode_backend=args.decode_backend,
