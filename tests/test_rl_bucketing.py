@@ -150,14 +150,13 @@ def test_bucketed_logprobs_equal_padded(ckpt):
         Learner(params.from_pretrained(ckpt), cfg(WIDTHS)).logprobs(batch.input_ids, batch.attention_mask[:, ::-1])
 
 
-@pytest.mark.parametrize("widths", ["", WIDTHS])
-def test_the_one_path_equals_the_old_padded_program(ckpt, widths):
+def test_the_one_path_equals_the_old_padded_program(ckpt):
     """The reference is the program the learner ran before it had one path: the whole mini-batch
     at one width, its strided micro-batches in one `lax.scan` (`rl.update.train_step`, here
     through `jit_train_steps` of one update), and pi_old from the no-grad pass over the batch
-    (`jit_logprobs`). The one path (padded plan: one width; bucketed: WIDTHS) gives the same
-    metrics, the same parameters and Adam moments, and, as `UpdateResult.logprobs`, the same
-    log-probs, up to float rounding."""
+    (`jit_logprobs`). The one path, with the padded plan (one width) and the bucketed one
+    (WIDTHS), gives the same metrics, the same parameters and Adam moments, and, as
+    `UpdateResult.logprobs`, the same log-probs, up to float rounding."""
     batch = make_batch(4)
     ref = Learner(params.from_pretrained(ckpt), cfg())
     c = ref.cfg
@@ -171,16 +170,18 @@ def test_the_one_path_equals_the_old_padded_program(ckpt, widths):
         loss_scaling=False)
     want = {k: float(v[0]) for k, v in jax.device_get(want).items()}
     want_state = [np.array(x) for x in jax.tree.leaves((new_params, new_opt))]
-    lr = Learner(params.from_pretrained(ckpt), cfg(widths))
-    got = lr.update(dataclasses.replace(batch, old_logprobs=None))  # pi_old = the update's own forward
+    assert want["skipped"] == 0.0
     real = batch.attention_mask > 0
-    np.testing.assert_allclose(got.logprobs[real], old[real], atol=1e-5)
-    assert np.all(got.logprobs[~real] == 0)
-    for k, v in want.items():
-        assert got.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    assert want["skipped"] == 0.0 and got.metrics["ratio_max"] == 1.0  # pi_old is exactly the update's forward
-    for x, y in zip(want_state, state_np(lr)):
-        np.testing.assert_allclose(y, x, atol=2e-6)
+    for widths in ("", WIDTHS):
+        lr = Learner(params.from_pretrained(ckpt), cfg(widths))
+        got = lr.update(dataclasses.replace(batch, old_logprobs=None))  # pi_old = the update's own forward
+        np.testing.assert_allclose(got.logprobs[real], old[real], atol=1e-5)
+        assert np.all(got.logprobs[~real] == 0)
+        for k, v in want.items():
+            assert got.metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), (widths, k)
+        assert got.metrics["ratio_max"] == 1.0  # pi_old is exactly the update's forward
+        for x, y in zip(want_state, state_np(lr)):
+            np.testing.assert_allclose(y, x, atol=2e-6)
 
 
 @pytest.mark.parametrize("loss", [dict(tis="sequence", splice_correction="tis"),
