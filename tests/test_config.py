@@ -363,7 +363,7 @@ def test_validate_reads_nothing_from_the_machine(tmp_path, monkeypatch):
     assert run.model.path == str(tmp_path)
     with pytest.raises(ConfigError, match=r"config\.model\.attention_impl: 'xla' materialises .* x 4096 heads"):
         check_environment(run)
-    c.model.attention_impl = "cudnn"
+    c.model.attention_impl, c.model.attention_block = "cudnn", 0  # the toy's query blocks are for 'xla' only
     rejects_here(c, r"config\.data\.train: training data .*missing\.parquet' not found")
 
 
@@ -584,8 +584,9 @@ def test_materialised_attention_scores_are_bounded(tmp_path):
                             r"1 row\(s\) per device x 32 heads / mesh\.tp=1 x T\^2 with T = agent\.max_prompt_tokens "
                             r"\+ agent\.max_response_tokens = 8193 is 8\.0 GiB, above the 8 GiB bound")
     assert "cudnn" in msg and "splash" in msg
-    rejects_here(at(8193, model__attention_impl="xla_causal"), r"config\.model\.attention_impl: 'xla_causal'")
-    check_environment(validate(at(23040, model__attention_impl="cudnn")))  # a flash kernel: no scores, no bound
+    rejects_here(at(8193, model__attention_impl="xla_causal", model__attention_block=0),
+                 r"config\.model\.attention_impl: 'xla_causal'")
+    check_environment(validate(at(23040, model__attention_impl="cudnn", model__attention_block=0)))  # flash: no bound
     rejects(at(1024, model__attention_impl="cudnn", model__attention_block=32),  # blocks only the masked impl
             r"config\.model\.attention_block: 32 blocks the masked attention .* set model\.attention_block=0")
     check_environment(validate(at(23040, mesh__tp=8)))  # tp=8: 4 heads per device, 7.9 GiB
