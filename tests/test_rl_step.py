@@ -189,6 +189,7 @@ def test_rl_step_equals_the_pieces_run_by_hand(ckpt, mode):
         batch = dataclasses.replace(batch, old_logprobs=rollout)
         r1 = hand.update(batch.rows(slice(0, 2)))
     r2 = hand.update(batch.rows(slice(2, 4)))
+    assert r2.logprobs is None  # the batch brought its pi_old: nothing to fetch
     (m1, p1), (m2, p2) = (r1.metrics, r1.sums), (r2.metrics, r2.sums)
 
     # per-update values: the mean of the two updates; per-token metrics: both updates' sums over

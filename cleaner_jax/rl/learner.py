@@ -62,8 +62,8 @@ from cleaner_jax.rl.learner_config import LearnerConfig
 from cleaner_jax.rl.loss_scale import SCALED_DTYPES, LossScaleState, init_state
 from cleaner_jax.rl.losses import LossOutput
 from cleaner_jax.rl.plan import MicroBatch, StepPlan, agree, micro_batches, padded_fraction, plan_step
-from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_steps, lr_schedule,
-                                   make_optimizer, micro_loss)
+from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_steps,
+                                   loss_output_shape, lr_schedule, make_optimizer, zero_accumulators)
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +220,11 @@ class Learner:
         entropy, grad_norm, lr, gap/* when rollout_logprobs are given, loss_scale: the scale
         this update used, skipped: 1.0 if its loss or gradient was not finite and the update was
         skipped, padded_token_frac, ...), its unreduced loss sums and counts (from which several
-        updates' metrics combine exactly, `rl.step.minibatch_update`), and its rows' log-probs
-        under the parameters before the update (pi_old of this update when `batch` has no
-        `old_logprobs`). `plan`: the micro-batches of an agreed `StepPlan.updates[k]`; None
-        plans them here (a collective with several processes)."""
+        updates' metrics combine exactly, `rl.step.minibatch_update`), and, when `batch` has no
+        `old_logprobs`, its rows' log-probs under the parameters before the update: the pi_old
+        this update trained with (None otherwise: not fetched from the device). `plan`: the
+        micro-batches of an agreed `StepPlan.updates[k]`; None plans them here (a collective
+        with several processes)."""
         host = validate_batch(batch, self._local(self.cfg.micro_batch_size))
         if plan is None:
             plan = self._micro_batches(host.lengths, host.input_ids.shape[1], self.cfg.micro_batch_size)
@@ -240,14 +241,18 @@ class Learner:
                     acc = self._zero_accumulators(mb)
                     layout = Layout.of(acc) if self.mesh is not None else None
                 acc, logp = jit_accumulate(self.params, self.rest, self.scaler.scale, acc, mb, layout=layout, **static)
-                parts.append((m.rows, logp))
+                if host.old_logprobs is None:
+                    parts.append((m.rows, logp))
             self.params, self.opt_state, self.scaler, metrics, sums = jit_apply(
                 self.params, self.opt_state, self.scaler, acc[0], acc[1], np.float32(policy_tokens),
                 cfg=self.cfg, layout=self._layout, loss_scaling=self.loss_scaling)
         metrics, sums = jax.device_get((metrics, sums))
-        logprobs = np.zeros(host.input_ids.shape, np.float32)
-        for rows, lp in parts:
-            _put(logprobs, rows, local_rows(lp, self.mesh))
+        logprobs = None
+        if host.old_logprobs is None:
+            logprobs = np.zeros(host.input_ids.shape, np.float32)
+            for rows, lp in parts:
+                _put(logprobs, rows, local_rows(lp, self.mesh))
+            logprobs = np.where(host.attention_mask > 0, logprobs, 0.0).astype(np.float32)
         out = {k: float(v) for k, v in metrics.items()}
         out["lr"] = lr
         shapes = [(len(m.rows), m.width) for m in plan]
@@ -257,7 +262,7 @@ class Learner:
             tokens, slots = distributed.all_sum(np.asarray([host.lengths.sum(), sum(r * w for r, w in shapes)]))
             out["padded_token_frac"] = float(1.0 - tokens / slots) if slots else 0.0
         self._count(skipped=bool(out["skipped"]))
-        return UpdateResult(out, sums, np.where(host.attention_mask > 0, logprobs, 0.0).astype(np.float32))
+        return UpdateResult(out, sums, logprobs)
 
     def update_many(self, batches: Batch) -> dict[str, np.ndarray]:
         """K optimizer updates in one compiled call, one per leading index of `batches` ([K, B, T]
@@ -295,13 +300,14 @@ class Learner:
         self.updates_run += 1
 
     def _zero_accumulators(self, mb: Batch) -> tuple[Any, LossOutput]:
-        # the metrics' structure depends on the batch's optional fields only: traced once per structure
+        """`rl.update.zero_accumulators` for micro-batches like `mb`, the metric scalars placed
+        with the optimizer's counters; the metrics' structure depends on the batch's optional
+        fields only, so it is traced once per structure."""
         key = jax.tree.structure(mb)
         if key not in self._out_shapes:
-            self._out_shapes[key] = jax.eval_shape(
-                lambda p: micro_loss(self.graphdef, self.cfg, p, self.rest, mb)[1][0], self.params)
-        zero_out = self._placed(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._out_shapes[key]))
-        return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), self.params), zero_out
+            self._out_shapes[key] = loss_output_shape(self.graphdef, self.cfg, self.params, self.rest, mb)
+        grads, zero_out = zero_accumulators(self.params, self._out_shapes[key])
+        return grads, self._placed(zero_out)
 
     @property
     def loss_scale(self) -> float:
@@ -371,7 +377,9 @@ class UpdateResult:
 
     metrics: dict[str, float]
     sums: LossOutput  # the update's unreduced loss sums, counts and maxima
-    logprobs: np.ndarray  # [B, T] float32: the rows' log-probs before the update (0 past each row's length)
+    # [B, T] float32: the rows' log-probs before the update (0 past each row's length), the pi_old the
+    # update trained with; None when the batch brought its own old_logprobs
+    logprobs: np.ndarray | None
 
 
 def _put(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:

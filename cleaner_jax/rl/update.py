@@ -116,7 +116,7 @@ def train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: Le
     """
     micro = split_micro_batches(batch, cfg.micro_batch_size)
     first = jax.tree.map(lambda x: x[0], micro)
-    zero_grads, zero_out = zero_accumulators(graphdef, cfg, params, rest, first)
+    zero_grads, zero_out = zero_accumulators(params, loss_output_shape(graphdef, cfg, params, rest, first))
 
     def body(carry: tuple[Any, LossOutput], mb: Batch) -> tuple[tuple[Any, LossOutput], None]:
         g_acc, out_acc = carry
@@ -147,11 +147,16 @@ def micro_grads(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, r
     return jax.tree.map(lambda x: x.astype(jnp.float32), g), out, logp
 
 
-def zero_accumulators(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
-                      mb: Batch) -> tuple[Any, LossOutput]:
-    """Zero f32 gradients (each with its parameter's sharding) and a zero `LossOutput` of the
-    structure a micro-batch like `mb` produces (its optional fields decide the metrics)."""
-    out_shape = jax.eval_shape(lambda p: micro_loss(graphdef, cfg, p, rest, mb)[1][0], params)
+def loss_output_shape(graphdef: nnx.GraphDef, cfg: LearnerConfig, params: nnx.State, rest: nnx.State,
+                      mb: Batch) -> LossOutput:
+    """The `LossOutput` structure (shapes and dtypes) a micro-batch like `mb` produces: its
+    optional fields decide the metrics. Traced, not run."""
+    return jax.eval_shape(lambda p: micro_loss(graphdef, cfg, p, rest, mb)[1][0], params)
+
+
+def zero_accumulators(params: nnx.State, out_shape: LossOutput) -> tuple[Any, LossOutput]:
+    """Zero f32 gradients (each with its parameter's sharding) and a zero `LossOutput` of
+    `out_shape` (`loss_output_shape`)."""
     zero_out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
     return jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params), zero_out
 
