@@ -167,6 +167,22 @@ def test_sharded_step_equals_single_device(ckpt):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
 
 
+@pytest.mark.parametrize("fsdp,tp", [(4, 1), (2, 2)])
+def test_an_update_hands_its_successor_the_layout_it_was_given(ckpt, fsdp, tp):
+    """The layout (each leaf's sharding, as the jit cache compares it) of the parameters and the
+    optimizer state is the same before the first update and after it: otherwise the second update
+    misses every program the first compiled (at tp=1 the loaded specs read P('fsdp', 'tp') and a
+    jitted output's P('fsdp',): equal placement, unequal cache keys)."""
+    mesh = sharding.make_mesh(fsdp, tp)
+    learner = Learner(params.from_pretrained(ckpt, mesh=mesh), cfg(micro_batch_size=4), mesh=mesh)
+    given = jax.tree.map(lambda x: x.sharding, (learner.params, learner.opt_state))
+    learner.update(learner.add_old_logprobs(make_batch(5)))
+    after = jax.tree.map(lambda x: x.sharding, (learner.params, learner.opt_state))
+    mismatched = [(jax.tree_util.keystr(path), a.spec, b.spec) for (path, a), b in
+                  zip(jax.tree_util.tree_leaves_with_path(given), jax.tree.leaves(after)) if a != b]
+    assert not mismatched, mismatched
+
+
 def test_missing_old_logprobs_means_current_policy(ckpt):
     batch = make_batch(6)
     a = Learner(params.from_pretrained(ckpt), cfg())
