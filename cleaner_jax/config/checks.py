@@ -218,6 +218,9 @@ def check_combinations(r: RunConfig) -> None:
              f"truncated IS weights the ppo loss only; algo.loss={a.loss!r} would ignore it")
     _require(a.loss == "nll" or a.nll_sequences == "all", "algo.nll_sequences",
              f"applies to algo.loss='nll' only; algo.loss={a.loss!r} would ignore it")
+    _require(a.loss == "ppo" or a.ratio_level == "token", "algo.ratio_level",
+             f"{a.ratio_level!r} (GSPO) is a ppo ratio; algo.loss={a.loss!r} has no ratio: use algo.ratio_level="
+             "'token' or algo.loss='ppo'")
     _require(not (a.tis != "none" and s.enable and s.logprob_mode == "recompute" and s.splice_correction == "none"),
              "algo.tis", "truncated IS needs rollout log-probs of the purified tokens: use saar.logprob_mode=rollout, "
              "saar.enable=False, or a saar.splice_correction (spliced tokens then leave rollout IS)")

@@ -180,6 +180,7 @@ class AlgoConfig:
     clip_low = borrow(LossConfig, "clip_low")
     clip_high = borrow(LossConfig, "clip_high")
     dual_clip = borrow(LossConfig, "dual_clip_c")
+    ratio_level = borrow(LossConfig, "ratio_level")
     loss_agg = borrow(LossConfig, "agg")
     entropy_coef = borrow(LossConfig, "entropy_coef")
     old_logprobs = borrow(StepConfig, "old_logprobs")

@@ -19,6 +19,10 @@ Formulas (r = exp(logp - old), A = advantage, per policy token):
   ppo:    l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
           dual clip (A < 0): l = min(l, -A c)          (verl `compute_policy_loss_vanilla`)
           l *= w_rollout * w_splice  (detached; `cleaner_jax.rl.importance`, docs/estimators.md)
+          ratio_level=sequence (GSPO, docs/estimators.md §7): every used token of row i takes the
+          row's length-normalised ratio s_i = exp(mean over the row's used tokens of (logp - old)),
+          written per token as sg[s_i] exp(logp - sg[logp]) (GSPO-token), so the formulas above
+          apply unchanged, each token with its own A and weights
   nll:    l = -logp   on the sequences `nll_sequences` selects
   then    l -= entropy_coef * entropy
 The tokens that enter the loss ("used") are the policy tokens minus those rejected by rollout IS
@@ -28,8 +32,9 @@ tokens (the verl names):
   token-mean:           sum_{b,t} l / sum_{b,t} used
   seq-mean-token-sum:   sum_b (sum_t l)              / #sequences with a used token
   seq-mean-token-mean:  sum_b (sum_t l / sum_t used) / #sequences with a used token
-Loss metrics (pg_*, ppo_kl, ratio_*, entropy) are over the used tokens; the IS metrics over the
-tokens they weigh (see `cleaner_jax.rl.importance`).
+Loss metrics (pg_*, ppo_kl, ratio_*, entropy) are over the used tokens (at ratio_level=sequence
+each token carries its row's ratio: pg_clipfrac counts the tokens of clipped rows); the IS metrics
+over the tokens they weigh (see `cleaner_jax.rl.importance`).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from cleaner_jax.trajectory import SpliceCorrection
 
 LossKind = Literal["ppo", "nll"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+RatioLevel = Literal["token", "sequence"]
 NllSequences = Literal["all", "correct", "positive_advantage"]
 
 
@@ -57,6 +63,9 @@ class LossConfig:
     clip_low: float = schema.field(0.2, ge=0.0, lt=1.0, help="PPO clip: ratio >= 1 - clip_low")
     clip_high: float = schema.field(0.28, ge=0.0, help="PPO clip-higher (DAPO): ratio <= 1 + clip_high")
     dual_clip_c: float | None = schema.field(10.0, gt=1.0, help="dual-clip c for A < 0; None disables it")
+    ratio_level: RatioLevel = schema.field(
+        "token", help="the PPO ratio: token (pi / pi_old per token) or sequence (GSPO: the row's length-normalised "
+        "ratio, clipped per sequence; its paper clips at clip_low=3e-4, clip_high=4e-4); docs/estimators.md §7")
     agg: AggMode = schema.field("token-mean", help="how per-token losses are averaged (verl's names)")
     entropy_coef: float = schema.field(0.0, ge=0.0, help="entropy bonus: subtracts entropy_coef * entropy")
     tis: TisLevel = schema.field(
@@ -118,6 +127,33 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> tuple[jax.Arr
     return jnp.sum(seq), jnp.sum(has_tokens.astype(jnp.float32))
 
 
+def policy_log_ratio(
+    logp: jax.Array,  # [B, T] current policy, 0 off `used`
+    old: jax.Array,  # [B, T] pi_old, 0 off `used`
+    used: jax.Array,  # [B, T] bool: the tokens that enter the loss
+    level: str,
+) -> jax.Array:
+    """The log of the PPO ratio per token [B, T], clamped to +-LOG_RATIO_BOUND (0 off `used`).
+
+    token: logp - old. sequence (GSPO, docs/estimators.md §7): log s_i, the mean of logp - old over
+    row i's used tokens, on every used token of the row, as sg[log s_i] + (logp - sg[logp]). The
+    value is log s_i exactly (the bracket is 0), the gradient of token t is d logp_t alone, so
+    the loss gets s_i A_t d logp_t per token: GSPO-token's form. Summed over a row and divided by
+    its length (seq-mean-token-mean) it is the gradient of the sequence objective -A s_i itself,
+    since d s_i = s_i / |y_i| sum_t d logp_t. The ratio runs over the used tokens only, so rejected
+    and masked tokens move neither its value nor its length; the clamp zeroes the gradient beyond
+    its bound, as at token level."""
+    log_r = jnp.where(used, logp - old, 0.0)  # [B, T]
+    if level == "sequence":
+        n = jnp.sum(used.astype(jnp.float32), axis=-1, keepdims=True)  # [B, 1] |y_i|
+        log_s = jnp.sum(log_r, axis=-1, keepdims=True) / jnp.maximum(n, 1.0)  # [B, 1]
+        # the bracket keeps the value exact: sg[a] + (x - sg[x]) is a, (sg[a] + x) - sg[x] need not be
+        log_r = jnp.where(used, jax.lax.stop_gradient(log_s) + (logp - jax.lax.stop_gradient(logp)), 0.0)
+    elif level != "token":
+        raise ValueError(f"policy_log_ratio: unknown level {level!r}; use 'token' or 'sequence'")
+    return jnp.clip(log_r, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
 @dataclass(frozen=True)
 class LossInputs:
     """One micro-batch's arrays for `compute_loss`, as one typed record instead of a long
@@ -150,6 +186,8 @@ class LossInputs:
             if sc in ("tis", "mask") and self.behaviour_logp is None:
                 raise ValueError(f"compute_loss: splice_correction={sc!r} needs behaviour_logp")
         elif cfg.kind == "nll":
+            if cfg.ratio_level != "token":
+                raise ValueError(f"compute_loss: ratio_level={cfg.ratio_level!r} is a ppo ratio; kind='nll' has none")
             if sc in ("tis", "mask"):
                 raise ValueError(f"compute_loss: splice_correction={sc!r} weights the ppo loss only")
             if cfg.nll_sequences == "correct" and self.correct is None:
@@ -220,8 +258,7 @@ def compute_loss(cfg: LossConfig, inputs: LossInputs) -> LossOutput:
     if cfg.kind == "ppo":
         logp_u = jnp.where(used, logp, 0.0)
         old_u = jnp.where(used, old, 0.0)
-        log_r = jnp.clip(logp_u - old_u, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        ratio = jnp.exp(log_r)
+        ratio = jnp.exp(policy_log_ratio(logp_u, old_u, used, cfg.ratio_level))  # [B, T]
         l1 = -adv * ratio
         l2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         l_clip = jnp.maximum(l1, l2)
