@@ -5,8 +5,8 @@
 
 Everything lands under the study's workdir: `runs/<arm>/seed_<s>/` (each an ordinary train
 workdir, with `console.log` and the `DONE` marker), `warm_cache/` (the shared warm starts),
-`summary.md` / `summary.json` (mean ± std and the bootstrap CI over seeds, and each arm minus the
-baseline paired by seed), `plots/*.png`. Running the same command again continues a stopped
+`summary.md` / `summary.json` (mean ± std and the bootstrap CI over seeds, each arm minus the
+baseline paired by seed with its tests, `study/paired.py`), `plots/*.png`. Running the same command again continues a stopped
 study; `--summarize-only` rewrites the summary and plots from the finished runs. docs/study.md.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from cleaner_jax.config import ConfigError
-from cleaner_jax.study import aggregate, plots
+from cleaner_jax.study import aggregate, paired, plots
 from cleaner_jax.study.config import Study, study_config, validate_study
 from cleaner_jax.study.runner import is_done, plan, run_study
 
@@ -33,9 +33,17 @@ def _clean(x):
     """JSON without NaN (written as null)."""
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
     if isinstance(x, float) and math.isnan(x):
         return None
     return x
+
+
+def paired_spec(study: Study) -> paired.PairedSpec:
+    s = study.settings
+    return paired.PairedSpec(aggregate.BootstrapSpec(s.bootstrap_resamples, s.bootstrap_seed, s.ci_level,
+                                                     s.paired_ci_method), s.permutation_resamples, s.bootstrap_seed)
 
 
 def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
@@ -54,12 +62,17 @@ def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
     if not per_run:
         raise SystemExit(f"error: no finished run under {workdir / 'runs'} to summarize")
     summary = aggregate.summarize(per_run, s.baseline, spec)
+    tests = paired.compare(per_run, s.baseline, study.primary_metric, paired_spec(study))
     seeds = {arm: sorted(v) for arm, v in per_run.items()}
     text = aggregate.markdown(summary, s.baseline, spec, seeds, s.tail_steps)
+    if tests.paired:
+        text += "\n" + paired.markdown(tests, aggregate.TABLE.get(study.primary_metric, ""))
     if wall_s is not None:
         text += f"\nStudy wall time (this invocation): {wall_s / 60:.1f} min.\n"
     (workdir / "summary.md").write_text(text)
-    out = {"settings": dataclasses.asdict(s), "seeds": seeds, "runs": per_run, **summary, "wall_s": wall_s}
+    # `runs`: arm -> seed -> every summary value, so that every number here can be recomputed
+    out = {"settings": dataclasses.asdict(s), "seeds": seeds, "runs": per_run, **summary, **tests.to_json(),
+           "wall_s": wall_s}
     (workdir / "summary.json").write_text(json.dumps(_clean(out), indent=2, sort_keys=True))
     for title, arms in curves.items():
         name = title.split(" ", 1)[0]

@@ -24,6 +24,7 @@ import ml_collections
 from cleaner_jax import schema
 from cleaner_jax.config import ConfigError, validate
 from cleaner_jax.schema import field, section
+from cleaner_jax.study import aggregate
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: relative base_config paths start here
 ARM_NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -58,6 +59,13 @@ class StudyConfig:
     ci_level: float = field(0.95, gt=0.0, lt=1.0, help="confidence level of the CI over seeds")
     ci_method: Literal["percentile", "BCa"] = field(
         "percentile", help="scipy.stats.bootstrap method; BCa needs varying values and more seeds to be stable")
+    primary_metric: str = field(
+        "", help="the summary value whose paired p-values are Holm-corrected over the arms and lead summary.md; '' is "
+        "heldout_acc_within_budget_after when every arm sets eval.tool_call_budget, else heldout_acc_after")
+    paired_ci_method: Literal["percentile", "BCa"] = field(
+        "BCa", help="scipy.stats.bootstrap method of the CI of each arm's mean difference from the baseline")
+    permutation_resamples: int = field(
+        100_000, ge=1000, help="random sign flips of the paired sign-flip test beyond 20 pairs (exact up to 20)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,7 @@ class Study:
     base_config: Path
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
+    primary_metric: str = "heldout_acc_after"  # `settings.primary_metric`, its '' resolved by validate_study
 
     def shared_dirs(self, workdir: Path) -> dict[str, str]:
         """The directories the runs of a study under `workdir` share (run keys of STUDY_SET)."""
@@ -146,6 +155,37 @@ def apply(c: ml_collections.ConfigDict, overrides: dict[str, Any], where: str) -
             raise ConfigError(f"{where}.{dotted}: {value!r} does not fit the run key: {e}") from None
 
 
+BUDGET_PRIMARY = "heldout_acc_within_budget_after"  # the default primary metric where the runs log it
+
+
+def summary_values() -> list[str]:
+    """Every name `aggregate.run_summary` can give a run (which of them a run has depends on what it logs)."""
+    names = ["heldout_acc_before", "heldout_acc_after", "heldout_acc_gain", "collapsed"]
+    names += [f"heldout_{m}_{when}" for m in aggregate.HELDOUT_OPTIONAL for when in ("before", "after")]
+    return names + [f"{s}_{when}" for s in aggregate.TRAIN_SERIES for when in ("first", "last")]
+
+
+def check_summary_value(name: str) -> None:
+    """config.primary_metric names something the summary has ('' is the default)."""
+    if name and name not in summary_values():
+        raise ConfigError(f"config.primary_metric: {name!r} is not a summary value; the summary values are: "
+                          f"{', '.join(summary_values())}")
+
+
+def primary_metric(settings: StudyConfig, budgets: dict[str, int | None]) -> str:
+    """The checked primary metric; `budgets` is each arm's eval.tool_call_budget (without one an arm's runs
+    log no acc_within_budget)."""
+    name = settings.primary_metric
+    if not name:
+        return BUDGET_PRIMARY if all(b is not None for b in budgets.values()) else "heldout_acc_after"
+    check_summary_value(name)
+    unbudgeted = [arm for arm, b in budgets.items() if b is None]
+    if "acc_within_budget" in name and unbudgeted:
+        raise ConfigError(f"config.primary_metric: {name!r} needs eval.tool_call_budget, which arm(s) "
+                          f"{', '.join(unbudgeted)} leave unset, so their runs do not log it")
+    return name
+
+
 def study_config() -> ml_collections.ConfigDict:
     """Every study key at its default, plus the free-form `run` and `arms` partial run configs."""
     c = ml_collections.ConfigDict({k: v for k, (_, v) in schema.defaults(StudyConfig).items()})
@@ -172,6 +212,7 @@ def validate_study(c: ml_collections.ConfigDict) -> Study:
             raise ConfigError(f"config.{name}: missing; start the study config from cleaner_jax.study.config.study_config()")
     settings = schema.build(StudyConfig, {k: v for k, v in values.items() if k not in ("run", "arms")}, "config")
     seeds = parse_seeds(settings.seeds)
+    check_summary_value(settings.primary_metric)  # before the arms' run configs are built
     base = Path(settings.base_config)
     base = base if base.is_absolute() else ROOT / base
     if not base.is_file():
@@ -193,6 +234,7 @@ def validate_study(c: ml_collections.ConfigDict) -> Study:
     if settings.baseline not in c.arms:
         raise ConfigError(f"config.baseline: {settings.baseline!r} is not an arm; the arms are: {', '.join(c.arms)}")
     study = Study(settings, base, tuple(arms), seeds)
+    budgets: dict[str, int | None] = {}
     for arm in study.arms:  # every run config is built and checked now, not when its turn comes
         try:
             r = validate(study.run_config(arm, seeds[0], None))
@@ -206,4 +248,5 @@ def validate_study(c: ml_collections.ConfigDict) -> Study:
         if settings.share_warm_start and r.warmup_sft.steps == 0:
             raise ConfigError(f"config.share_warm_start: arm {arm.name!r} has warmup_sft.steps=0, so there is no warm "
                               "start to share: set share_warm_start=False")
-    return study
+        budgets[arm.name] = r.eval.tool_call_budget
+    return dataclasses.replace(study, primary_metric=primary_metric(settings, budgets))
