@@ -384,6 +384,7 @@ def test_colocated_toy_run_completes_and_logs_release_resume_times(tmp_path):
     About 25 s of CPU; more wall time on a loaded machine."""
     cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"),
            "--workdir", str(tmp_path), "--config.train.steps=1", "--config.warmup_sft.steps=0",
+           "--config.model.attention_block=0",  # as tests/test_train_toy.py's SMALL
            "--config.algo.prompts_per_step=2", "--config.algo.group_size=2", "--config.algo.micro_batch_size=4",
            "--config.train.eval_every=0", "--config.train.checkpoint_every=1", "--config.sandbox.workers=1",
            "--config.agent.max_assistant_turns=2", "--config.agent.max_user_turns=2",

@@ -23,7 +23,7 @@ TINY = [
     "--config.train.steps=1", "--config.train.eval_every=1", "--config.train.eval_before_train=True",
     "--config.train.checkpoint_every=1",
     "--config.warmup_sft.steps=2", "--config.warmup_sft.examples=8", "--config.warmup_sft.batch_size=4",
-    "--config.warmup_sft.attention_block=0",  # as tests/test_train_toy.py's SMALL
+    "--config.warmup_sft.attention_block=0", "--config.model.attention_block=0",  # as tests/test_train_toy.py's SMALL
     "--config.algo.prompts_per_step=2", "--config.algo.group_size=2", "--config.algo.micro_batch_size=4",
     "--config.data.eval_limit=2", "--config.eval.n=2", "--config.sandbox.workers=2",
 ]

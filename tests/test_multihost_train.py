@@ -30,7 +30,7 @@ STEPS = 3  # the 2-process run does 2 steps, stops, and resumes for the third
 GROUP = 4  # samples per prompt: enough that the steps have groups with a signal (non-zero advantages)
 SMALL = [
     "--config.warmup_sft.steps=40", "--config.warmup_sft.examples=16", "--config.warmup_sft.batch_size=8",
-    "--config.warmup_sft.attention_block=0",  # as tests/test_train_toy.py's SMALL
+    "--config.warmup_sft.attention_block=0", "--config.model.attention_block=0",  # as tests/test_train_toy.py's SMALL
     "--config.algo.prompts_per_step=4", f"--config.algo.group_size={GROUP}", "--config.algo.micro_batch_size=4",
     "--config.mesh.fsdp=-1",
     "--config.train.eval_before_train=False", "--config.data.eval_limit=2", "--config.eval.n=1",

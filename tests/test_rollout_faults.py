@@ -288,7 +288,7 @@ TOY_SMALL = [
     "--config.warmup_sft.steps=0", "--config.algo.prompts_per_step=2", "--config.algo.group_size=2",
     "--config.algo.micro_batch_size=4", "--config.train.eval_every=0", "--config.train.eval_before_train=False",
     "--config.train.checkpoint_every=1", "--config.sandbox.workers=2", "--config.agent.max_response_tokens=96",
-    "--config.reward.overlong_buffer=16",
+    "--config.reward.overlong_buffer=16", "--config.model.attention_block=0",  # as tests/test_train_toy.py's SMALL
 ]
 
 

@@ -59,6 +59,7 @@ def one_step_run(workdir: Path, model_dir: Path, seed: int, data_seed_: int | No
     c.data.eval = ""
     c.data.seed = data_seed_
     c.warmup_sft.steps = 0
+    c.model.attention_block = 0  # as tests/test_train_toy.py's SMALL
     c.agent.max_response_tokens = 48
     c.reward.overlong_buffer = 16
     c.algo.prompts_per_step = 2

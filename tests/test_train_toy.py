@@ -18,9 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--config.warmup_sft.steps=4", "--config.warmup_sft.examples=16", "--config.warmup_sft.batch_size=8",
-    # a few-step warm start cannot pay back the query blocks' longer compile (~3 s per program;
-    # bench/RESULTS.md, 2026-12-07); the blocked fit is tested in tests/test_warm_start_fit.py
-    "--config.warmup_sft.attention_block=0",
+    # a few-step warm start, or a few RL steps, cannot pay back the query blocks' longer compile
+    # (~3 s per program and width; bench/RESULTS.md, 2026-12-07): whole-sequence attention in the fit
+    # and the learner. The blocks are tested in tests/test_warm_start_fit.py and test_attention_impls.py
+    "--config.warmup_sft.attention_block=0", "--config.model.attention_block=0",
     "--config.algo.prompts_per_step=2", "--config.algo.group_size=2", "--config.algo.micro_batch_size=4",
     "--config.data.eval_limit=2", "--config.eval.n=2", "--config.train.eval_every=2",
     "--config.train.checkpoint_every=1", "--config.sandbox.workers=2",

@@ -303,7 +303,7 @@ def test_trainer_stops_loudly_after_writing_a_checkpoint_when_the_sync_fails(tmp
     wd = tmp_path / "run"
     try:
         cmd = [sys.executable, "-m", "cleaner_jax.train", "--config", str(ROOT / "configs/toy.py"), "--workdir", str(wd),
-               "--config.train.steps=2", "--config.warmup_sft.steps=0", "--config.algo.prompts_per_step=2",
+               "--config.train.steps=2", "--config.warmup_sft.steps=0", "--config.model.attention_block=0", "--config.algo.prompts_per_step=2",
                "--config.algo.group_size=2", "--config.algo.micro_batch_size=4", "--config.train.eval_every=0",
                # no step-0 evaluation (the toy's 128 held-out problems x 4 samples, half the run's time on a
                # 2-core box): the test is about step 1's sync, and checks no evaluation

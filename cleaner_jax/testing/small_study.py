@@ -9,6 +9,7 @@ SEEDS = (0, 1)
 RUN_OVERRIDES = {  # on top of configs/toy.py
     "train": {"steps": 2, "eval_every": 2, "checkpoint_every": 1, "eval_before_train": True},
     "warmup_sft": {"steps": 2, "examples": 16, "batch_size": 8, "attention_block": 0},  # 2 steps: no blocks
+    "model": {"attention_block": 0},  # nor in the learner of 2 RL steps (tests/test_train_toy.py's SMALL)
     "algo": {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4},
     "data": {"eval_limit": 2},
     "eval": {"n": 2},
