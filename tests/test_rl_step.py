@@ -319,15 +319,15 @@ def test_rl_step_with_length_buckets_equals_the_padded_step(ckpt):
 class FakeLearner:
     """Stands in for the learner in `rl_step`: old log-probs 0, records each update's batch."""
 
-    class cfg:  # noqa: N801
+    class cfg:  # noqa: N801  (what rl.plan.plan_rl_step reads: micro-batches of one row, no buckets)
         micro_batch_size = 1
+        logprob_micro_batch_size = 1
+        widths = ()
+
+    processes = 1
 
     def __init__(self):
         self.batches = []
-
-    def plan(self, lengths, width, mini_batches, old_logprobs):
-        return plan_step(lengths, width, mini_batches=mini_batches, micro_batch_size=1, logprob_micro_batch_size=1,
-                         widths=(), old_logprobs=old_logprobs)
 
     def logprobs(self, input_ids, attention_mask, plan):
         return np.zeros(np.shape(input_ids), np.float32)

@@ -3,7 +3,7 @@ learner-side log-probs (old log-probs, weight-sync probe), and checkpoint/export
 
 One path (`cleaner_jax.rl.plan`): an RL step's batch plan (which rows form each micro-batch, at
 which width, for the old-log-prob pass and for every update) is decided and agreed between
-processes once per step (`Learner.plan`). An update (`Learner.update`) then runs one jitted
+processes once per step (`rl.plan.plan_rl_step`, before the learner runs any of it). An update (`Learner.update`) then runs one jitted
 accumulate per micro-batch (compiled once per width) and one jitted apply. Each accumulate
 returns the gradient of its micro-batch's *unreduced* loss sum and its denominator, and the
 apply uses ``sum(grads) / sum(counts)``, so a token-mean is exact however tokens fall into
@@ -62,7 +62,7 @@ from cleaner_jax.rl.checkpointing import Checkpointer
 from cleaner_jax.rl.learner_config import LearnerConfig
 from cleaner_jax.rl.loss_scale import SCALED_DTYPES, LossScaleState, init_state
 from cleaner_jax.rl.losses import LossOutput
-from cleaner_jax.rl.plan import MicroBatch, StepPlan, agree, micro_batches, padded_fraction, plan_step
+from cleaner_jax.rl.plan import MicroBatch, StepPlan, agree, micro_batches, padded_fraction, same_rows
 from cleaner_jax.rl.update import (Layout, jit_accumulate, jit_apply, jit_logprobs, jit_train_steps,
                                    loss_output_shape, lr_schedule, make_optimizer, zero_accumulators)
 
@@ -134,14 +134,6 @@ class Learner:
         """This process's rows of a micro-batch of `micro_batch_size` global rows."""
         return micro_batch_size // self.processes
 
-    def _global_rows(self, rows: int) -> None:
-        """Check every process passes `rows` rows (`place_batch` needs equal pieces)."""
-        if self.processes > 1:
-            seen = distributed.gather_rows(np.asarray([rows], np.int64))
-            if len(set(seen.tolist())) > 1:
-                raise ValueError(f"Learner: the learner processes passed {seen.tolist()} rows (process order); every "
-                                 "process must pass the same number (rl.step pads each process's share)")
-
     def _placed(self, state: Any) -> Any:  # a LossScaleState or a LossOutput of scalars
         # committed where the optimizer's scalar counters are, so the second step reuses the
         # first step's compile (an uncommitted input is a different jit cache key)
@@ -153,21 +145,10 @@ class Learner:
     def _mesh_ctx(self) -> Any:
         return jax.set_mesh(self.mesh) if self.mesh is not None else nullcontext()
 
-    # -- the plan
-    def plan(self, lengths: np.ndarray, width: int, mini_batches: int = 1, old_logprobs: bool = False) -> StepPlan:
-        """One RL step's plan (`rl.plan.plan_step`) for this process's rows of `lengths` [B],
-        `width` wide, agreed with the other learner processes (every process calls it once per
-        step). `old_logprobs`: plan the no-grad pass over the rows of every update but the first."""
-        self._global_rows(len(lengths))
-        local = plan_step(lengths, width, mini_batches=mini_batches,
-                          micro_batch_size=self._local(self.cfg.micro_batch_size),
-                          logprob_micro_batch_size=self._local(self.cfg.logprob_micro_batch_size),
-                          widths=self.cfg.widths, old_logprobs=old_logprobs)
-        return agree(local, self.processes)
-
+    # -- one-off plans (an RL step's comes from `rl.plan.plan_rl_step`, made once per step)
     def _micro_batches(self, lengths: np.ndarray, width: int, micro_batch_size: int) -> tuple[MicroBatch, ...]:
         """A one-off plan of `lengths` [B] (outside an RL step), agreed between processes."""
-        self._global_rows(len(lengths))
+        same_rows(len(lengths), self.processes)
         local = micro_batches(lengths, self._local(micro_batch_size), self.cfg.widths, width)
         return agree(StepPlan((local,), (), len(lengths)), self.processes).updates[0]
 

@@ -1,7 +1,8 @@
 """How one RL step's batch runs through the learner, decided once per step: which rows form
 each micro-batch, at which width, for the old-log-prob pass and for every optimizer update.
 
-    plan = learner.plan(batch.lengths, width=batch.input_ids.shape[1], mini_batches=2, old_logprobs=True)
+    plan = plan_rl_step(batch.lengths, batch.input_ids.shape[1], learner.cfg, learner.processes,
+                        mini_batches=2, old_logprobs=True)
 
 A plan is pure data (`plan_step` makes it from the rows' lengths); `agree` makes every learner
 process's plan the same shape (one small collective), because micro-batch k of the global batch
@@ -31,6 +32,7 @@ import numpy as np
 
 from cleaner_jax import distributed
 from cleaner_jax.rl.batch import bucket_for
+from cleaner_jax.rl.learner_config import LearnerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,30 @@ def plan_step(lengths: np.ndarray, width: int, *, mini_batches: int, micro_batch
         logprobs = tuple(MicroBatch(m.rows + n, m.width)
                          for m in micro_batches(lengths[n:], logprob_micro_batch_size, widths, width))
     return StepPlan(updates, logprobs, n, recompute_old=old_logprobs)
+
+
+def plan_rl_step(lengths: np.ndarray, width: int, cfg: LearnerConfig, processes: int, *, mini_batches: int = 1,
+                 old_logprobs: bool = False) -> StepPlan:
+    """One RL step's plan (`plan_step`) for this process's rows of `lengths` [B], `width` wide,
+    with the learner's micro-batch sizes and bucket widths (`cfg`, global rows split over
+    `processes`), agreed with the other learner processes: every process calls it once per step,
+    before the learner runs anything of the step. `old_logprobs`: plan the no-grad pass over the
+    rows of every update but the first."""
+    same_rows(len(lengths), processes)
+    local = plan_step(lengths, width, mini_batches=mini_batches, micro_batch_size=cfg.micro_batch_size // processes,
+                      logprob_micro_batch_size=cfg.logprob_micro_batch_size // processes, widths=cfg.widths,
+                      old_logprobs=old_logprobs)
+    return agree(local, processes)
+
+
+def same_rows(rows: int, processes: int) -> None:
+    """Check every learner process passes `rows` rows: micro-batch k of the global batch is
+    assembled from every process's k-th piece (`rl.batch.place_batch`), which must be equal."""
+    if processes > 1:
+        seen = distributed.gather_rows(np.asarray([rows], np.int64))
+        if len(set(seen.tolist())) > 1:
+            raise ValueError(f"plan: the learner processes passed {seen.tolist()} rows (process order); every "
+                             "process must pass the same number (rl.step pads each process's share)")
 
 
 def agree(plan: StepPlan, processes: int) -> StepPlan:

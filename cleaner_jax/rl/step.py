@@ -44,7 +44,7 @@ from cleaner_jax.rl.credit import credit_metrics, credit_sums
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rl.logprob_gap import splice_metrics
 from cleaner_jax.rl.losses import LossOutput, combine, reduce_metrics
-from cleaner_jax.rl.plan import StepPlan
+from cleaner_jax.rl.plan import StepPlan, plan_rl_step
 from cleaner_jax.trajectory import ScoredEpisode
 
 OldLogprobs = Literal["recompute", "rollout"]
@@ -198,7 +198,8 @@ def step_plan(learner: Learner, batch: Batch, mini_batches: int, mode: OldLogpro
     if mode not in ("recompute", "rollout"):
         raise ValueError(f"step_plan: unknown old log-prob mode {mode!r}; use 'recompute' or 'rollout' "
                          "(algo.old_logprobs)")
-    return learner.plan(batch.lengths, batch.input_ids.shape[1], mini_batches, old_logprobs=mode == "recompute")
+    return plan_rl_step(batch.lengths, batch.input_ids.shape[1], learner.cfg, learner.processes,
+                        mini_batches=mini_batches, old_logprobs=mode == "recompute")
 
 
 def with_old_logprobs(learner: Learner, batch: Batch, mode: OldLogprobs, plan: StepPlan | None = None) -> Batch:
