@@ -431,7 +431,7 @@ def test_wiring_maps_each_key_onto_its_component_field():
              algo__loss_agg="seq-mean-token-sum", algo__entropy_coef=0.01, algo__tis="token", algo__tis_cap=1.5,
              algo__logprob_chunk=64, algo__micro_batch_size=2, algo__mini_batches_per_step=2,
              optim__lr=3e-4, optim__warmup_steps=7, optim__weight_decay=0.05, optim__b1=0.8, optim__b2=0.95,
-             optim__grad_clip=0.5, rollout__temperature=0.9, rollout__top_p=0.8, rollout__top_k=20,
+             optim__grad_clip=0.5, rollout__temperature=0.9,
              eval__temperature=0.7, eval__top_p=0.5, eval__top_k=5, saar__enable=False, saar__gamma=0.3, agent__tool_call_parser="strict")
     lc = wiring.learner_config(validate(c))
     loss, opt = lc.loss, lc.optimizer
@@ -442,7 +442,10 @@ def test_wiring_maps_each_key_onto_its_component_field():
         3e-4, 7, 0.05, 0.8, 0.95, 0.5)
     assert (opt.updates_per_lr_step, opt.eps) == (2, 1e-8)
     assert (lc.micro_batch_size, lc.logprob_micro_batch_size, lc.temperature, lc.logprob_chunk_size) == (2, 2, 0.9, 64)
-    assert wiring.train_sampling(validate(c)) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
+    assert wiring.train_sampling(validate(c)) == {"temperature": 0.9, "top_p": 1.0, "top_k": -1}
+    # truncated training sampling only without a ratio over the reported log-probs (tests/test_truncated_rollouts.py)
+    truncated = _set(toy(), rollout__temperature=0.9, rollout__top_p=0.8, rollout__top_k=20)
+    assert wiring.train_sampling(validate(truncated)) == {"temperature": 0.9, "top_p": 0.8, "top_k": 20}
     assert wiring.eval_sampling(validate(c)) == {"temperature": 0.7, "top_p": 0.5, "top_k": 5}  # apart from training's
     ac = validate(c).agent
     assert (ac.tool_call_parser, ac.max_assistant_turns, ac.saar.gamma, ac.saar.enable) == ("strict", 4, 0.3, False)

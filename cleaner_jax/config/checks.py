@@ -224,6 +224,16 @@ def check_combinations(r: RunConfig) -> None:
     _require(not (a.tis != "none" and s.enable and s.logprob_mode == "recompute" and s.splice_correction == "none"),
              "algo.tis", "truncated IS needs rollout log-probs of the purified tokens: use saar.logprob_mode=rollout, "
              "saar.enable=False, or a saar.splice_correction (spliced tokens then leave rollout IS)")
+    # the engine and SGLang report each sampled token's log-prob under the untruncated (tempered)
+    # distribution, while top-p / top-k sample from the truncated, renormalised one: a ratio that
+    # divides by the reported log-prob would not be pi / pi_behaviour (docs/estimators.md, "Truncated sampling")
+    uses = [name for name, on in (("algo.tis", a.tis != "none"), ("algo.old_logprobs='rollout'", a.old_logprobs == "rollout"),
+                                  ("saar.splice_correction", s.enable and s.splice_correction in ("tis", "mask"))) if on]
+    truncating = r.rollout.top_p < 1.0 or r.rollout.top_k > 0
+    _require(not (truncating and uses), "rollout.top_p" if r.rollout.top_p < 1.0 else "rollout.top_k",
+             f"training rollouts sampled with top_p={r.rollout.top_p}, top_k={r.rollout.top_k} report each token's "
+             f"untruncated log-prob, not the probability it was drawn with, and {', '.join(uses)} divides by it: "
+             "sample training rollouts untruncated (rollout.top_p=1.0, rollout.top_k=-1) or turn those off")
     _require(a.tis != "none" or a.tis_mode == "truncate", "algo.tis_mode",
              f"{a.tis_mode!r} applies to rollout IS, which is off (algo.tis='none')")
     _require(a.tis_mode == "truncate" or a.tis_cap > 1.0, "algo.tis_cap",
