@@ -43,7 +43,7 @@ from cleaner_jax.rl.advantages import groups_still_needed, informative_groups
 from cleaner_jax.rollout.continuation import MAX_CONTINUATIONS, generate_continued
 from cleaner_jax.rollout.sglang_answers import RolloutServerError
 from cleaner_jax.rollout.protocol import Generate, GenOutput, Rescorer
-from cleaner_jax.saar.tool_metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import generation_metrics, step_metrics
 from cleaner_jax.trajectory import ScoredEpisode
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,9 @@ def check_lost(metrics: Mapping[str, float], max_fraction: float) -> None:
 def rollout_metrics(scored: Sequence[ScoredEpisode]) -> dict[str, float]:
     """The step's reward, length, tool and SAAR metrics over its valid episodes, but
     `tool_calls/infra_failures`, which counts the invalid episodes' records too: an infra
-    failure is what makes an episode invalid (`Collector`), so over valid ones it would be 0."""
+    failure is what makes an episode invalid (`Collector`), so over valid ones it would be 0;
+    and the `rollout/generated_tokens*` budget, over every episode with a record, since an
+    invalid episode's tokens were sampled all the same."""
     valid = [s for s in scored if s.valid]
     episodes = [s.episode for s in valid]
     excluded = [s.episode for s in scored if not s.valid and s.episode is not None]  # a lost rollout has none
@@ -274,4 +276,5 @@ def rollout_metrics(scored: Sequence[ScoredEpisode]) -> dict[str, float]:
     out["response/raw_tokens_mean"] = float(np.mean([len(e.raw.flatten().response_ids) for e in episodes])) if episodes else 0.0
     raw_obs = [seg for e in episodes for seg in e.raw.segments if seg.kind == "obs"]
     out["tool/raw_error_rate"] = float(np.mean([seg.tool_failed for seg in raw_obs])) if raw_obs else 0.0
+    out.update(generation_metrics([*episodes, *excluded]))  # the sampling budget: invalid episodes cost tokens too
     return out

@@ -22,7 +22,7 @@ import numpy as np
 from cleaner_jax.eval import metrics
 from cleaner_jax.eval.pass_at_k import mean_pass_at_k
 from cleaner_jax.eval.records import EpisodeCodec
-from cleaner_jax.saar.tool_metrics import step_metrics
+from cleaner_jax.saar.tool_metrics import generated_tokens, step_metrics  # one definition of a sample's cost
 from cleaner_jax.trajectory import Episode
 
 
@@ -130,12 +130,6 @@ def first_attempts(episodes: Sequence[Episode]) -> tuple[int, int]:
     each call, before any SAAR retry: the policy's own calls, whether SAAR is on or off."""
     tried = sum(e.stats.first_attempt_total for e in episodes)
     return tried, tried - sum(e.stats.first_attempt_success for e in episodes)
-
-
-def generated_tokens(e: Episode) -> int:
-    """Tokens the policy generated in `e`: every assistant turn of the raw record, failed calls
-    and SAAR's regenerations included (what the episode cost to sample)."""
-    return sum(len(s.token_ids) for s in e.raw.segments if s.kind == "turn")
 
 
 def call_outcomes(e: Episode) -> list[bool]:

@@ -9,6 +9,11 @@ The authors' run-cumulative `tool_calls/global_success_rate` is not logged (a pu
 function has no run state, and a resumed run would have to restore it): it is the ratio of the
 running sums of the per-step `tool_calls/all_successes` and `tool_calls/all_attempts`, which
 a reader of `metrics.jsonl` forms in one line.
+
+`generated_tokens` is the one definition of what an episode cost to sample, shared by the
+evaluation's `tokens_per_solved` (`eval.report`) and the training step's `rollout/*` budget
+(`generation_metrics`, logged by `agent.collect.rollout_metrics`): it lives here, below both, so
+that the compute-matched study arm (docs/study.md) matches the quantity the evaluation reports.
 """
 from __future__ import annotations
 
@@ -21,6 +26,23 @@ from cleaner_jax.trajectory import Episode
 
 def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den else 0.0
+
+
+def generated_tokens(e: Episode) -> int:
+    """Tokens the policy generated in `e`: every assistant turn of the raw record, failed calls
+    and SAAR's regenerations included, prompt and observations not (what the episode cost to
+    sample, which the purified trajectory hides: SAAR removes the failed turns it replaced)."""
+    return sum(len(s.token_ids) for s in e.raw.segments if s.kind == "turn")
+
+
+def generation_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """The step's sampling budget: `rollout/generated_tokens` (the sum of `generated_tokens`
+    over `episodes`) and `rollout/generated_tokens_per_trajectory` (that sum per episode; 0
+    without episodes). The caller passes every episode of the step that has a record, invalid
+    ones included: their tokens were generated too, and a budget counts what was spent."""
+    total = sum(generated_tokens(e) for e in episodes)
+    return {"rollout/generated_tokens": float(total),
+            "rollout/generated_tokens_per_trajectory": total / len(episodes) if episodes else 0.0}
 
 
 def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = ()) -> dict[str, float]:

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 from cleaner_jax.config import ConfigError
 from cleaner_jax.study import aggregate, paired, plots
 from cleaner_jax.study.config import Study, study_config, validate_study
-from cleaner_jax.study.runner import is_done, plan, run_study
+from cleaner_jax.study.runner import DONE, RunSpec, is_done, plan, run_study
 
 FLAGS = flags.FLAGS
 
@@ -46,13 +46,25 @@ def paired_spec(study: Study) -> paired.PairedSpec:
                                                      s.paired_ci_method), s.permutation_resamples, s.bootstrap_seed)
 
 
+def match_records(runs: list[RunSpec]) -> dict[str, dict[int, dict]]:
+    """arm -> seed -> the `match` record of each finished matched run's DONE (study/matching.py)."""
+    out: dict[str, dict[int, dict]] = {}
+    for run in runs:
+        if run.needs and is_done(run):
+            record = json.loads((run.workdir / DONE).read_text()).get("match")
+            if record is not None:
+                out.setdefault(run.arm, {})[run.seed] = record
+    return out
+
+
 def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
     """summary.md, summary.json and plots/ from the finished runs; returns the markdown."""
     s = study.settings
     spec = aggregate.BootstrapSpec(s.bootstrap_resamples, s.bootstrap_seed, s.ci_level, s.ci_method)
     per_run: dict[str, dict[int, dict[str, float]]] = {}
     curves: dict[str, dict[str, list[plots.Curve]]] = {}
-    for run in plan(study, workdir):
+    runs = plan(study, workdir)
+    for run in runs:
         if not is_done(run):
             continue
         rows = aggregate.read_metrics(run.workdir / "tb" / "metrics.jsonl")
@@ -65,14 +77,20 @@ def summarize(study: Study, workdir: Path, wall_s: float | None = None) -> str:
     tests = paired.compare(per_run, s.baseline, study.primary_metric, paired_spec(study))
     seeds = {arm: sorted(v) for arm, v in per_run.items()}
     text = aggregate.markdown(summary, s.baseline, spec, seeds, s.tail_steps)
+    matching = match_records(runs)
+    budget = aggregate.budget_markdown(per_run, [a.name for a in study.arms if a.name in per_run], study.matched(),
+                                       {a: {s: m["prompts_per_step"] for s, m in v.items()} for a, v in matching.items()})
+    if budget:
+        text += "\n" + budget
     if tests.paired:
         text += "\n" + paired.markdown(tests, aggregate.TABLE.get(study.primary_metric, ""))
     if wall_s is not None:
         text += f"\nStudy wall time (this invocation): {wall_s / 60:.1f} min.\n"
     (workdir / "summary.md").write_text(text)
     # `runs`: arm -> seed -> every summary value, so that every number here can be recomputed
+    # `matching`: matched arm -> seed -> how its prompts per step were computed (its DONE's record)
     out = {"settings": dataclasses.asdict(s), "seeds": seeds, "runs": per_run, **summary, **tests.to_json(),
-           "wall_s": wall_s}
+           "matching": matching, "wall_s": wall_s}
     (workdir / "summary.json").write_text(json.dumps(_clean(out), indent=2, sort_keys=True))
     for title, arms in curves.items():
         name = title.split(" ", 1)[0]

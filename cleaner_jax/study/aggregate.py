@@ -142,9 +142,21 @@ def run_curves(rows: Rows, benchmark: str) -> dict[str, tuple[list[int], list[fl
     return out
 
 
+GENERATED_TOKENS = "rollout/generated_tokens"  # a step's sampling budget (docs/metrics.md, "Rewards and responses")
+
+
+def generated_tokens_per_step(rows: Rows) -> float:
+    """Mean over the run's RL steps (>= 1) of `rollout/generated_tokens`: the tokens the policy
+    generated per step, SAAR's retries included. The one number a compute-matched arm matches
+    (`study.matching`) and the summary reports (`generated_tokens_per_step_mean`), so the two
+    cannot disagree; NaN for a run that never logged it (older code)."""
+    values = [r[GENERATED_TOKENS] for s, r in rows.items() if s >= 1 and GENERATED_TOKENS in r]
+    return float(np.mean(values)) if values else math.nan
+
+
 def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]:
     """One run's summary values: held-out accuracy before (step 0) and after (the last evaluation)
-    RL and its gain; each training-rollout series at the first RL step and over the last
+    RL and its gain; the generated tokens per RL step (`generated_tokens_per_step`); each training-rollout series at the first RL step and over the last
     `tail_steps` steps (mean); the benchmark's `HELDOUT_OPTIONAL` metrics before and after where logged."""
     key = accuracy_key(rows, benchmark)
     steps, acc = eval_series(rows, key)
@@ -152,6 +164,7 @@ def run_summary(rows: Rows, benchmark: str, tail_steps: int) -> dict[str, float]
            "heldout_acc_after": acc[-1] if steps and steps[-1] > 0 else math.nan}
     out["heldout_acc_gain"] = out["heldout_acc_after"] - out["heldout_acc_before"]
     out["collapsed"] = collapsed(out["heldout_acc_before"], out["heldout_acc_after"])
+    out["generated_tokens_per_step_mean"] = generated_tokens_per_step(rows)
     for name in HELDOUT_OPTIONAL:
         fc_steps, fc_values = eval_series(rows, f"eval/{benchmark}/{name}")
         if fc_steps:
@@ -214,6 +227,7 @@ TABLE = {
     "heldout_acc_after": "held-out accuracy after RL (eval mean@n, last evaluation)",
     "heldout_acc_gain": "held-out accuracy gain (after - before)",
     "collapsed": "collapsed: held-out accuracy after RL below half of before (share of seeds)",
+    "generated_tokens_per_step_mean": "generated tokens per RL step, mean over the run's steps (rollout/generated_tokens)",
     "heldout_acc_within_budget_before": "held-out accuracy within eval.tool_call_budget calls, before RL",
     "heldout_acc_within_budget_after": "held-out accuracy within eval.tool_call_budget calls, after RL",
     "heldout_tokens_per_solved_before": "held-out generated tokens per solved problem, before RL",
@@ -274,4 +288,36 @@ def markdown(summary: Mapping, baseline: str, spec: BootstrapSpec, seeds: Mappin
         for m in present:
             lines.append(f"| {TABLE[m]} | " + " | ".join(_cell(summary["vs_baseline"][a][m])
                                                         if m in summary["vs_baseline"][a] else "-" for a in others) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_markdown(per_run: Mapping[str, Mapping[int, Mapping[str, float]]], arms: Sequence[str],
+                    matched: Mapping[str, str], prompts: Mapping[str, Mapping[int, int]]) -> str:
+    """summary.md's generation-budget table: per seed (rows) and arm (columns, in `arms` order but
+    each matched arm right after its reference) the run's `generated_tokens_per_step_mean`, so a
+    compute-matched arm (`matched`: arm -> the arm whose budget it matches) reads beside its
+    reference seed by seed; a matched run's cell also
+    gives the `algo.prompts_per_step` it ran with (`prompts`: arm -> seed -> value, from its DONE).
+    '' when no run logged the budget."""
+    key = "generated_tokens_per_step_mean"
+    if not any(not math.isnan(v.get(key, math.nan)) for seeds in per_run.values() for v in seeds.values()):
+        return ""
+    arms = ([x for a in arms if a not in matched for x in (a, *(m for m in arms if matched.get(m) == a))]
+            + [m for m in arms if m in matched and matched[m] not in arms])  # a reference without runs: last
+    seeds = sorted({s for a in arms for s in per_run.get(a, {})})
+    heads = [f"{a} (matches {matched[a]})" if a in matched else a for a in arms]
+    lines = ["## Generation budget per seed\n",
+             "Generated tokens per RL step (`rollout/generated_tokens`: every assistant turn of the raw record, "
+             "SAAR's retries included), mean over the run's RL steps. A matched arm (`match_generation`) scales "
+             "the baseline's `algo.prompts_per_step` (in parentheses) to its reference's budget (docs/study.md).\n",
+             "| seed | " + " | ".join(heads) + " |", "|---|" + "---|" * len(arms)]
+    for seed in seeds:
+        cells = []
+        for a in arms:
+            v = per_run.get(a, {}).get(seed, {}).get(key, math.nan)
+            cell = "-" if math.isnan(v) else f"{v:.1f}"
+            if seed in prompts.get(a, {}):
+                cell += f" (prompts_per_step={prompts[a][seed]})"
+            cells.append(cell)
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ naming the arm and the key, not in the middle of the study.
     c.run.train.steps = 40                    # overrides of every arm (a partial run config)
     c.arms.grpo_raw.saar.enable = False       # one arm: its own overrides on top
     c.seeds = "0,1,2,3,4"                     # train.seed of each run of each arm
+    c.arms.grpo_matched = ConfigDict({"match_generation": "cleaner"})  # an arm option (`ArmOptions`)
 """
 from __future__ import annotations
 
@@ -68,10 +69,23 @@ class StudyConfig:
         100_000, ge=1000, help="random sign flips of the paired sign-flip test beyond 20 pairs (exact up to 20)")
 
 
+@section
+class ArmOptions:
+    """The keys of an arm that are not run-config keys: how the study builds the arm's runs. Read
+    off the arm's top level before the rest is applied to the run config."""
+    match_generation: str = field(
+        "", help="'' or another arm's name: this arm is the baseline arm's run config with algo.prompts_per_step "
+        "scaled, per seed, so that its generated tokens per RL step match that arm's (study/matching.py); it runs "
+        "after that arm and the baseline of its seed, and takes no run keys of its own")
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
     name: str
     overrides: dict[str, Any]  # dotted run key -> value, the `run` section's and then the arm's own
+    # ArmOptions.match_generation: the arm whose budget this one matches ('' for an ordinary arm);
+    # `overrides` are then the baseline's, and the runner adds the computed algo.prompts_per_step
+    match_generation: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +95,10 @@ class Study:
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
     primary_metric: str = "heldout_acc_after"  # `settings.primary_metric`, its '' resolved by validate_study
+
+    def matched(self) -> dict[str, str]:
+        """Each compute-matched arm -> the arm whose generation budget it matches."""
+        return {a.name: a.match_generation for a in self.arms if a.match_generation}
 
     def shared_dirs(self, workdir: Path) -> dict[str, str]:
         """The directories the runs of a study under `workdir` share (run keys of STUDY_SET)."""
@@ -160,7 +178,7 @@ BUDGET_PRIMARY = "heldout_acc_within_budget_after"  # the default primary metric
 
 def summary_values() -> list[str]:
     """Every name `aggregate.run_summary` can give a run (which of them a run has depends on what it logs)."""
-    names = ["heldout_acc_before", "heldout_acc_after", "heldout_acc_gain", "collapsed"]
+    names = ["heldout_acc_before", "heldout_acc_after", "heldout_acc_gain", "collapsed", "generated_tokens_per_step_mean"]
     names += [f"heldout_{m}_{when}" for m in aggregate.HELDOUT_OPTIONAL for when in ("before", "after")]
     return names + [f"{s}_{when}" for s in aggregate.TRAIN_SERIES for when in ("first", "last")]
 
@@ -204,6 +222,38 @@ def parse_seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
+def arm_options(own: dict[str, Any], where: str) -> ArmOptions:
+    """The arm's `ArmOptions`, taken out of `own` (its flattened keys; the rest are run keys)."""
+    values = {k: own.pop(k) for k in schema.keys(ArmOptions) if k in own}
+    return schema.build(ArmOptions, {**{k: v for k, (_, v) in schema.defaults(ArmOptions).items()}, **values}, where)
+
+
+def matched_arms(arms: list[Arm], baseline: str) -> list[Arm]:
+    """`arms` with each compute-matched arm's overrides made the baseline's; raises ConfigError
+    naming `config.arms.<arm>.match_generation` when the reference is no arm, is itself matched or
+    is the baseline, and when the baseline is matched."""
+    by_name = {a.name: a for a in arms}
+    out = []
+    for arm in arms:
+        ref, where = arm.match_generation, f"config.arms.{arm.name}.match_generation"
+        if not ref:
+            out.append(arm)
+            continue
+        if arm.name == baseline:
+            raise ConfigError(f"{where}: {ref!r} on the baseline arm (config.baseline): a matched arm is built from "
+                              "the baseline's run config, so the baseline itself cannot be one")
+        if ref not in by_name:
+            raise ConfigError(f"{where}: {ref!r} is not an arm; the arms are: {', '.join(by_name)}")
+        if by_name[ref].match_generation:
+            raise ConfigError(f"{where}: {ref!r} is itself a matched arm (config.arms.{ref}.match_generation="
+                              f"{by_name[ref].match_generation!r}); match an arm that trains with settings of its own")
+        if ref == baseline:
+            raise ConfigError(f"{where}: {ref!r} is the baseline arm, whose budget the baseline has already; "
+                              "name the arm whose extra generation the baseline should be given")
+        out.append(dataclasses.replace(arm, overrides=dict(by_name[baseline].overrides)))
+    return out
+
+
 def validate_study(c: ml_collections.ConfigDict) -> Study:
     """The checked study; raises ConfigError naming the first key that cannot work."""
     values = c.to_dict()
@@ -225,14 +275,20 @@ def validate_study(c: ml_collections.ConfigDict) -> Study:
         if not ARM_NAME.fullmatch(name):
             raise ConfigError(f"config.arms.{name}: an arm name is lower-case letters, digits and _ (it names a directory)")
         own = flatten(c.arms[name], f"config.arms.{name}")
+        options = arm_options(own, f"config.arms.{name}")
+        if options.match_generation and own:  # else the comparison is no longer "the baseline given that budget"
+            raise ConfigError(f"config.arms.{name}.{sorted(own)[0]}: a matched arm (match_generation="
+                              f"{options.match_generation!r}) is the baseline arm's run config with "
+                              "algo.prompts_per_step scaled; it takes no run keys of its own")
         for where, keys in (("config.run", shared), (f"config.arms.{name}", own)):
             for dotted in keys:
                 reason = STUDY_SET.get(tuple(dotted.split(".", 1)))  # type: ignore[arg-type]
                 if reason is not None:
                     raise ConfigError(f"{where}.{dotted}: set by the study ({reason}); remove it here")
-        arms.append(Arm(name, {**shared, **own}))
+        arms.append(Arm(name, {**shared, **own}, options.match_generation))
     if settings.baseline not in c.arms:
         raise ConfigError(f"config.baseline: {settings.baseline!r} is not an arm; the arms are: {', '.join(c.arms)}")
+    arms = matched_arms(arms, settings.baseline)
     study = Study(settings, base, tuple(arms), seeds)
     budgets: dict[str, int | None] = {}
     for arm in study.arms:  # every run config is built and checked now, not when its turn comes

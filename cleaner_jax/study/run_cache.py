@@ -45,9 +45,10 @@ def cached_run(cache: Path, key: str) -> Path | None:
     return entry if (entry / DONE).is_file() else None
 
 
-def adopt(source: Path, workdir: Path, command: list[str]) -> dict[str, Any]:
+def adopt(source: Path, workdir: Path, command: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Copy the finished run `source` to `workdir` (which holds nothing of a run yet) and write its
-    DONE: the command this study would have run, the source and the seconds its training took.
+    DONE: the command this study would have run, the source and the seconds its training took,
+    plus `extra` (a matched run's `match` record: how this study computed its prompts per step).
     Returns the DONE marker."""
     if workdir.exists() and any(workdir.iterdir()):
         raise FileExistsError(f"{workdir}: a run was started here; it resumes instead of reusing {source}")
@@ -55,7 +56,7 @@ def adopt(source: Path, workdir: Path, command: list[str]) -> dict[str, Any]:
     shutil.copytree(source, tmp, dirs_exist_ok=True)
     original = json.loads((source / DONE).read_text())
     marker = {"command": command, "reused_from": str(source), "seconds": 0.0,
-              "trained_seconds": original.get("trained_seconds", original["seconds"])}
+              "trained_seconds": original.get("trained_seconds", original["seconds"]), **(extra or {})}
     (tmp / DONE).write_text(json.dumps(marker, indent=2))
     if workdir.exists():
         workdir.rmdir()  # empty (checked above): commit_dir renames over it
