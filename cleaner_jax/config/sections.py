@@ -261,11 +261,18 @@ class TrainConfig:
         "what a server serving in that dtype would round to itself, and checked against each server's dtype)")
     weight_export_dir: str | None = field(
         None, help="existing directory for the weight exports (e.g. /dev/shm): the run writes into its own "
-        "sub-directory there; None: <workdir>/sync. Only the newest export is kept")
+        "sub-directory there; None: <workdir>/sync. Only the newest export is kept there (train.keep_exports keeps "
+        "more, under <workdir>/exports/)")
     weight_export_shard_mb: float = field(
         5000.0, gt=0.0, help="largest safetensors file of a weight export, in MB (10^6 bytes; HF's max_shard_size "
         "'5GB'): a bigger model is written as model-0000k-of-0000n.safetensors + model.safetensors.index.json, "
         "one that fits as a single model.safetensors. In a multi-process run file k is written by process k mod N")
+    keep_exports: Literal["latest", "latest,best", "latest,final", "latest,best,final"] = field(
+        "latest", help="which weight exports a run keeps: latest (the newest, which the rollout servers serve; always "
+        "kept), best (<workdir>/exports/best: the export of the step with the highest held-out eval/<benchmark>/mean@n "
+        "of the first benchmark of data.eval, replaced only by a higher one), final (<workdir>/exports/final: the last "
+        "step's). Copies of the sync's export (train.weight_export_dtype), each with export.json naming its step and "
+        "metric (docs/exports.md)")
     dump_trajectories: bool = field(True, help="write each step's episodes under the workdir")
     max_staleness: int = field(
         0, ge=0, help="bounded-staleness asynchronous RL (docs/async.md): 0 = collect, update, sync, one after "

@@ -3,8 +3,8 @@
 
 One step: collect (`collection`), release the colocated rollout servers' memory (`colocate`),
 update (`rl.step.rl_step_outputs`), resume the servers, weight sync (`sync`), metrics, trajectory
-dump (`dump`), evaluation (`evaluation`), the stop after too many skipped updates (`skips`),
-checkpoint. The order is the crash contract: a committed checkpoint N means step N is complete
+dump (`dump`), evaluation (`evaluation`), the kept best/final exports (`sync.keep_exports`), the
+stop after too many skipped updates (`skips`), checkpoint. The order is the crash contract: a committed checkpoint N means step N is complete
 (metrics, dump, evaluation on disk), so a run killed at any point resumes after a step whose
 outputs are all there (docs/reliability.md row 3); a failed weight sync first writes the step's
 outputs and checkpoint, then stops (row 5).
@@ -138,8 +138,12 @@ class StepLoop:
             self.learner.save(done, state)
             self.learner.wait_until_saved()
             raise learned.sync_failure
+        evaluated: dict[str, float] = {}
         if benchmarks and self.evaluation.due(done):
-            metrics.update(on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks)))
+            evaluated = on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks))
+            metrics.update(evaluated)
+        if distributed.is_main():  # train.keep_exports: the best and final exports, before the checkpoint
+            self.weights.keep(done, evaluated)
         self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
         stop_if_stuck(self.learner, r.train.max_consecutive_skips, done, state, learned.skipped_ids)
         # last: a committed checkpoint N means step N is complete (metrics, dump, evaluation), so

@@ -6,11 +6,20 @@ seed. On any failure (`WeightSyncError`, non-finite weights refused by the expor
 left) no server that missed the new weights stays in the rotation and `WeightSyncFailedError`
 stops the run; the step loop first writes the step's metrics, dump and checkpoint, so a resume
 restores exactly that state (docs/reliability.md row 5).
+
+Only the newest export stays in the export directory. `train.keep_exports` also keeps the best
+export by the held-out evaluation and the final one, as copies under <workdir>/exports/
+(`keep_exports`, docs/exports.md).
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
+import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -18,6 +27,7 @@ import numpy as np
 
 from cleaner_jax import distributed
 from cleaner_jax.config import RunConfig
+from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
 from cleaner_jax.models.params import ExportFailedError, NonFiniteWeightsError
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
@@ -41,6 +51,7 @@ class WeightSync:
         self.r, self.wd, self.session, self.learner, self.model_dir = r, workdir, session, learner, model_dir
         probe = toy_task.make_problems(1, seed=4242)[0]  # fixed: the first toy prompt
         self.probe_ids = list(session.chat.prompt_ids(probe.messages))[:64]
+        self.synced: Path | None = None  # the export every server serves (after the last good sync)
 
     def sync(self, step: int) -> SyncReport | None:
         """Export the learner's weights and load them on every rollout server (canary first, probed).
@@ -90,12 +101,21 @@ class WeightSync:
                 f"{self.session.client.out_of_rotation}. Fix the server or the export and run the same command "
                 "to resume") from failure
         fleet.set_current(path, version, **probe)
+        self.synced = path
         if not main:
             return None
         log.info("weight sync step-%d: %s (export dtype %s)", step,
                  ", ".join(f"{k} {v:.3f}" for k, v in report.phases.items()), dtype)
         remove_other_exports(root, path)
         return report
+
+    def keep(self, step: int, evaluated: Mapping[str, float]) -> list[str]:
+        """Process 0, after step `step`'s evaluation (`evaluated`: its metrics, {} without one): keep
+        the served export as <workdir>/exports/best and /final as `train.keep_exports` asks."""
+        if self.synced is None:
+            return []
+        return keep_exports(self.wd, self.r.train.keep_exports, step, self.synced, evaluated,
+                            last=step == self.r.train.steps)
 
     def learner_logprobs(self, ids: list[int], start: int) -> list[float]:
         """Untempered learner log-probs of ids[start:] (what the server's probe returns)."""
@@ -124,3 +144,76 @@ def sync_metrics(report: SyncReport | None) -> dict[str, float]:
         return {}
     return {"time/weight_sync_s": report.seconds, "weight_sync/probe_gap": max(report.probe_gap.values(), default=0.0),
             **{f"time/weight_sync/{phase}": seconds for phase, seconds in report.phases.items()}}
+
+
+KEPT_DIR = "exports"  # <workdir>/exports/{best,final}
+KEPT_INFO = "export.json"  # in each kept export: its step and the metric it was kept for
+# the run's primary held-out metric: mean@n of a benchmark (with eval.saar=both, of one SAAR level)
+PRIMARY_METRIC = re.compile(r"eval/[^/]+(/saar_(on|off))?/mean@\d+")
+
+
+def primary_metric(evaluated: Mapping[str, float]) -> tuple[str, float] | None:
+    """The evaluation's primary metric and value: `eval/<benchmark>/mean@<n>` of the first benchmark
+    of data.eval (the first the evaluation reports; with eval.saar=both, SAAR off, reported first).
+    None: no evaluation."""
+    for name, value in evaluated.items():
+        if PRIMARY_METRIC.fullmatch(name):
+            return name, float(value)
+    return None
+
+
+def kept_export(workdir: Path, name: str) -> dict | None:
+    """The `export.json` of <workdir>/exports/<name> (None: no such export). A swap killed between
+    its two renames (`atomic_dir.commit_dir`) left the previous export as `.<name>.replaced`: it
+    is put back first, so a crash never loses it."""
+    final = workdir / KEPT_DIR / name
+    replaced = final.parent / f".{name}.replaced"
+    if not final.exists() and replaced.is_dir():
+        os.rename(replaced, final)
+        log.warning("put back %s: the swap that replaced it was killed half-way", final)
+    info = final / KEPT_INFO
+    return json.loads(info.read_text()) if info.is_file() else None
+
+
+def keep_export(workdir: Path, name: str, source: Path, info: dict) -> Path:
+    """Make <workdir>/exports/<name> a copy of the export `source` (hard links where it is on the
+    same file system: the export's files are never changed in place, and the sync's removal of
+    `source` unlinks only its own names) with `info` as its export.json. Written whole, then
+    swapped in (`atomic_dir`): the previous one stays until the new one is complete."""
+    final = workdir / KEPT_DIR / name
+    kept_export(workdir, name)  # a half-done swap's previous export back first: commit_dir would delete it
+    tmp = partial_dir(final)
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:  # another file system (train.weight_export_dir on /dev/shm), or no hard links
+                shutil.copyfile(f, tmp / f.name)
+    (tmp / KEPT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return commit_dir(tmp, final)
+
+
+def keep_exports(workdir: Path, keep: str, step: int, export: Path, evaluated: Mapping[str, float], *,
+                 last: bool) -> list[str]:
+    """`train.keep_exports` after step `step`, whose served export is `export` and whose evaluation
+    gave `evaluated` ({}: none after this step). best: kept when the primary metric is finite and
+    higher than the kept best's (a tie keeps the earlier step; a kept best measured by another
+    metric, after a change of eval.n or data.eval, is replaced); final: kept after the last step.
+    Returns the names kept now."""
+    wanted = set(keep.split(",")) - {"latest"}
+    metric = primary_metric(evaluated)
+    info = {"step": step, "metric": None if metric is None else metric[0],
+            "value": None if metric is None else metric[1], "source": str(export)}
+    kept = []
+    if "best" in wanted and metric is not None and math.isfinite(metric[1]):
+        old = kept_export(workdir, "best")
+        if old is None or old.get("metric") != metric[0] or metric[1] > float(old["value"]):
+            keep_export(workdir, "best", export, info)
+            kept.append("best")
+    if "final" in wanted and last:
+        keep_export(workdir, "final", export, info)
+        kept.append("final")
+    if kept:
+        log.info("step %d: kept its export %s as %s (%s)", step, export, ", ".join(kept),
+                 "no evaluation" if metric is None else f"{metric[0]} = {metric[1]:.4f}")
+    return kept
