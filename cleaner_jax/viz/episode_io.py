@@ -5,7 +5,7 @@ trajectory with `saar.purify`, so a dump can never disagree with the purificatio
 an old dump can be re-purified after a rule changes. `episode_to_dict`/`episode_from_dict` are
 also the evaluation records' codec (`eval/records.py`).
 
-The training run's dumps are format 2 (`viz/dumps.py`: `step_000012.jsonl.gz`, these fields plus
+The training run's dumps are format 3 (`viz/dumps.py`: `step_000012.jsonl.gz`, these fields plus
 what the viewer shows); `write_scored_episodes`/`read_episodes` are format 1
 (`step_000012.jsonl`, raw records only), which `viz.dumps.read_step` still reads.
 
@@ -22,19 +22,28 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cleaner_jax.saar.purify import purify
 from cleaner_jax.trajectory import Episode, RawTrajectory, SaarEvent, ScoredEpisode, Segment, ToolStats
 
 
-def version_runs(versions: Sequence[int]) -> list[list[int]]:
+def version_runs(versions: Sequence[int] | np.ndarray) -> list[list[int]]:
     """Per-token policy versions as runs `[[version, count], ...]` in token order."""
-    runs: list[list[int]] = []
-    for v in versions:
-        if runs and runs[-1][0] == int(v):
-            runs[-1][1] += 1
-        else:
-            runs.append([int(v), 1])
-    return runs
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
+        return []
+    starts = np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
+    counts = np.diff(np.append(starts, v.size))
+    return [[a, n] for a, n in zip(v[starts].tolist(), counts.tolist())]
+
+
+def flat_dict(obj: Any) -> dict[str, Any]:
+    """`dataclasses.asdict` of a dataclass whose fields hold no dataclass (a segment, a span, an
+    event, the tool stats): the same dict, tuples kept as the same tuples (they are immutable) and
+    a dict field copied, without asdict's deep copy of every element of every tuple (a turn's
+    token ids and log-probs: thousands per segment, most of a dump's write time before issue 41)."""
+    return {f.name: dict(v) if isinstance(v := getattr(obj, f.name), dict) else v for f in dataclasses.fields(obj)}
 
 
 def versions_from_runs(runs: Sequence[Sequence[int]], where: str) -> tuple[int, ...]:
@@ -52,8 +61,8 @@ def episode_to_dict(ep: Episode, **extra: Any) -> dict[str, Any]:
     return {
         "prompt_ids": list(ep.raw.prompt_ids),
         "segments": [_segment_to_dict(s) for s in ep.raw.segments],
-        "events": [dataclasses.asdict(e) for e in ep.events],
-        "stats": dataclasses.asdict(ep.stats),
+        "events": [flat_dict(e) for e in ep.events],
+        "stats": flat_dict(ep.stats),
         "termination": ep.termination,
         "saar_drawn_on": ep.saar_drawn_on,
         "num_turns": ep.num_turns,
@@ -67,7 +76,7 @@ def _tuples(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _segment_to_dict(s: Segment) -> dict[str, Any]:
-    return {**dataclasses.asdict(s), "versions": None if s.versions is None else version_runs(s.versions)}
+    return {**flat_dict(s), "versions": None if s.versions is None else version_runs(s.versions)}
 
 
 def _segment_from_dict(d: dict[str, Any], k: int) -> Segment:

@@ -65,7 +65,7 @@ def viewer_step(workdir: str | Path, step: int) -> list[dict[str, Any]]:
     lines = _lines(workdir, step)
     if lines is None:
         raise ValueError(f"step {step} of {workdir} has only an old-format dump (step_{step:06d}.jsonl), which holds "
-                         "no decoded text; the viewer shows format-2 dumps (viz/dumps.py)")
+                         "no decoded text; the viewer shows format-2 and -3 dumps (viz/dumps.py)")
     return [{**_summary(d), "reward_detail": d["reward_detail"], "view": d["view"]} for d in lines]
 
 
@@ -109,7 +109,7 @@ def step_filter(steps: str | None = None, every: int | None = None) -> Callable[
 
 
 def export(workdir: str | Path, out: str | Path, keep: Callable[[int], bool] | None = None) -> tuple[Path, dict[str, Any]]:
-    """One self-contained HTML file with every readable format-2 step of `workdir` inlined (only
+    """One self-contained HTML file with every readable format-2 or -3 step of `workdir` inlined (only
     those `keep` selects, if given). An unreadable dump is left out, and listed in the page with
     its file and error (`index["bad_files"]`). Returns the file and the index it holds."""
     index = viewer_index(workdir, keep)
