@@ -77,14 +77,15 @@ class StepLoop:
         return self.evaluation.before_training(benchmarks)
 
     def run(self, start: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
-        """Steps `start`.. `train.steps`; returns the last step's metrics."""
+        """Steps `start + 1` .. `train.steps` (`start` steps are done: 0, or the resumed checkpoint's
+        number); returns a summary of their metrics."""
         steps = self.r.train.steps
         bar = tqdm(range(start, steps), desc="train", unit="step", initial=start, total=steps,
                    disable=not distributed.is_main())
         history: list[dict[str, float]] = []
         try:
-            for step in bar:
-                metrics = self.step(step, sampler, benchmarks)
+            for before in bar:  # the steps done before this one
+                metrics = self.run_step(before + 1, sampler, benchmarks)
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:+.2f}", acc=f"{metrics['reward/acc']:.2f}",
                                 tool_err=f"{metrics['tool/raw_error_rate']:.2f}")
@@ -93,26 +94,27 @@ class StepLoop:
                 self.overlap.cancel()
         return summary(history)
 
-    def collect(self, step: int, sampler: ProblemSampler) -> Collected:
-        """Step `step + 1`'s rollouts (`collection.StepCollection.collect`)."""
-        return self.collection.collect(step, sampler)
+    def collect(self, before: int, sampler: ProblemSampler) -> Collected:
+        """Step `before + 1`'s rollouts (`collection.StepCollection.collect`)."""
+        return self.collection.collect(before, sampler)
 
-    def step(self, step: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
-        """Step `step + 1`, start to checkpoint; returns its metrics (the evaluation's included).
+    def run_step(self, number: int, sampler: ProblemSampler, benchmarks: dict[str, list[Problem]]) -> dict[str, float]:
+        """RL step `number` (1, 2, ...: the number its metrics, dump and checkpoint carry), start to
+        checkpoint; returns its metrics (the evaluation's included).
 
         Overlapped (train.max_staleness >= 1): the step's rollouts were started up to k steps
         earlier; the collections of the next steps start before the update, which runs with the
         weight sync in a worker thread while they go on (`overlap.OverlappedCollection`)."""
-        r, done = self.r, step + 1
+        r, before = self.r, number - 1  # `before`: the steps done before it, what collect and overlap take
         t0 = time.perf_counter()
         overlap_metrics: dict[str, float] = {}
         if self.overlap is None:
-            got = self.collect(step, sampler)
+            got = self.collect(before, sampler)
         else:
-            got, overlap_metrics = self.overlap.take(step, sampler)
-            self.overlap.launch_ahead(step, sampler)
+            got, overlap_metrics = self.overlap.take(before, sampler)
+            self.overlap.launch_ahead(before, sampler)
         t_rollout = time.perf_counter() - t0
-        learned = self.learn(done, got) if self.overlap is None else self.overlap.while_learning(lambda: self.learn(done, got))
+        learned = self.learn(number, got) if self.overlap is None else self.overlap.while_learning(lambda: self.learn(number, got))
         out = learned.out
         metrics = dict(out.metrics)
         metrics.update(rollout_metrics(got.scored))
@@ -126,34 +128,34 @@ class StepLoop:
             "learner/consecutive_skips": float(self.learner.consecutive_skips),
         })
         if self.overlap is not None:
-            metrics.update(staleness_metrics([s.episode.purified for s in got.mine if s.valid], trained_version=step))
+            metrics.update(staleness_metrics([s.episode.purified for s in got.mine if s.valid], trained_version=before))
         metrics["time/step_s"] = time.perf_counter() - t0  # collection (or the wait for it), update, weight sync
         metrics.update(sync_metrics(learned.report))
-        self.writer.write(done, metrics)
+        self.writer.write(number, metrics)
         self.writer.flush()
         if r.train.dump_trajectories:
-            self.dumps.write(done, got.scored, out.advantages, out.old_logprobs)
+            self.dumps.write(number, got.scored, out.advantages, out.old_logprobs)
         state = {"data_position": got.position}  # the overlapped loop has drawn later steps: not sampler.position
         if learned.sync_failure is not None:  # the step's outputs are on disk: checkpoint it, then stop (row 5)
-            self.learner.save(done, state)
+            self.learner.save(number, state)
             self.learner.wait_until_saved()
             raise learned.sync_failure
         evaluated: dict[str, float] = {}
-        if benchmarks and self.evaluation.due(done):
-            evaluated = on_main("train: evaluation", lambda: self.evaluation.evaluate(done, benchmarks))
+        if benchmarks and self.evaluation.due(number):
+            evaluated = on_main("train: evaluation", lambda: self.evaluation.evaluate(number, benchmarks))
             metrics.update(evaluated)
         if distributed.is_main():  # train.keep_exports: the best and final exports, before the checkpoint
-            self.weights.keep(done, evaluated)
+            self.weights.keep(number, evaluated)
         self.writer.flush()  # before any checkpoint can commit: the evaluation's rows too
-        stop_if_stuck(self.learner, r.train.max_consecutive_skips, done, state, learned.skipped_ids)
+        stop_if_stuck(self.learner, r.train.max_consecutive_skips, number, state, learned.skipped_ids)
         # last: a committed checkpoint N means step N is complete (metrics, dump, evaluation), so
         # a run killed at any point resumes after a step whose outputs are all on disk (row 3)
-        if done % r.train.checkpoint_every == 0 or done == r.train.steps:
-            self.learner.save(done, state)
+        if number % r.train.checkpoint_every == 0 or number == r.train.steps:
+            self.learner.save(number, state)
         return metrics
 
-    def learn(self, done: int, got: Collected) -> Learned:
-        """Step `done`'s update on its collection, then the weight sync (a failed sync is returned,
+    def learn(self, number: int, got: Collected) -> Learned:
+        """Step `number`'s update on its collection, then the weight sync (a failed sync is returned,
         to be raised once the step's outputs are written)."""
         r = self.r
         colocate = self.colocated.release() if r.rollout.colocated else {}  # the learner phase gets the memory
@@ -163,12 +165,12 @@ class StepLoop:
         if r.train.debug_update_delay_s > 0:  # a slower learner, for the overlap's measurements (the key's help)
             time.sleep(r.train.debug_update_delay_s)
         update_s = time.perf_counter() - t_learn
-        skipped_ids = log_skipped(self.learner, done, got.mine, calls_before, self.step_cfg.mini_batches)
+        skipped_ids = log_skipped(self.learner, number, got.mine, calls_before, self.step_cfg.mini_batches)
         if r.rollout.colocated:  # resume, then the sync loads the new weights, then probes
             colocate.update(self.colocated.resume())
         sync_failure: WeightSyncFailedError | None = None
         try:
-            report = self.weights.sync(done)
+            report = self.weights.sync(number)
         except WeightSyncFailedError as err:
             report, sync_failure = None, err
         return Learned(out, update_s, skipped_ids, colocate, report, sync_failure)
