@@ -302,6 +302,11 @@ class ToolStats:
     full_turn: int = 0
     call_only: int = 0
     infra_failures: int = 0
+    # ours: assistant turns that carry a tool-call marker and were parsed, and of those the turns
+    # with at least one well-formed call (the parser drops malformed ones silently, as the
+    # authors' does, and such a turn ends the episode as an answer: `tool_calls/valid_call_ratio`)
+    call_turns: int = 0
+    parsed_call_turns: int = 0
 
 
 Termination = Literal["answer", "length", "max_assistant_turns", "max_user_turns", "context_full", "retry_no_tool_call",

@@ -72,3 +72,14 @@ def test_a_call_in_the_last_allowed_turn_is_never_executed(env):
     ep, _ = run(env, [OK, OK, OK], max_assistant_turns=2)
     assert ep.termination == "max_assistant_turns"
     assert ep.stats.tool_call_total == 1 and ep.num_turns == 1 + 2 + 1
+
+
+def test_a_malformed_call_counts_as_an_attempted_but_invalid_call(env):
+    """The parser drops a call it cannot read (the authors' behaviour) and the turn ends the episode
+    as an answer; the stats keep both turns that carried a call marker, one of them well-formed."""
+    bad = "Go. <tool_call>\nnot a call at all\n</tool_call>"
+    ep, _ = run(env, [OK, bad])
+    assert ep.termination == "answer" and ep.stats.tool_call_total == 1
+    assert (ep.stats.call_turns, ep.stats.parsed_call_turns) == (2, 1)
+    from cleaner_jax.saar.tool_metrics import step_metrics
+    assert step_metrics([ep])["tool_calls/valid_call_ratio"] == 0.5

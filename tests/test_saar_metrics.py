@@ -72,3 +72,11 @@ def test_infra_failures_count_the_excluded_episodes_too():
     assert m["tool_calls/infra_failures"] == 2.0
     assert {k: v for k, v in m.items() if k != "tool_calls/infra_failures"} == \
         {k: v for k, v in alone.items() if k != "tool_calls/infra_failures"}
+
+
+def test_valid_call_ratio_over_the_steps_marked_turns():
+    # 3 marked turns of which 2 parsed, and 1 of 1: 3 / 4; a step without a marked turn: 0 (as success_rate)
+    a = _episode([_turn([2], 1)], ToolStats(call_turns=3, parsed_call_turns=2), [])
+    b = _episode([_turn([2], 1)], ToolStats(call_turns=1, parsed_call_turns=1), [])
+    assert step_metrics([a, b])["tool_calls/valid_call_ratio"] == 0.75
+    assert step_metrics([_episode([_turn([2], 1)], ToolStats(), [])])["tool_calls/valid_call_ratio"] == 0.0

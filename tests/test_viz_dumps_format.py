@@ -136,7 +136,7 @@ def expected_lines():
          "prompt_ids": [1, 2], "segments": a_segs, "events": [a_event],
          "stats": {"tool_call_total": 2, "tool_call_success": 1, "first_attempt_total": 1, "first_attempt_success": 0,
                    "failure_reasons": {"NameError": 1}, "triggered": 1, "recovered": 1, "failed": 0, "full_turn": 0,
-                   "call_only": 1, "infra_failures": 0},
+                   "call_only": 1, "infra_failures": 0, "call_turns": 0, "parsed_call_turns": 0},
          "termination": "answer", "saar_drawn_on": True, "num_turns": 4, "truncated_to": None}
     b = {**summary(1, "b", 0, None, False, "", "rollout failed: server unreachable", 0.0, None, "none", [], [], False),
          "view": None}
@@ -152,7 +152,7 @@ def expected_lines():
          "prompt_ids": [1, 2], "segments": [c_seg], "events": [],
          "stats": {"tool_call_total": 0, "tool_call_success": 0, "first_attempt_total": 0, "first_attempt_success": 0,
                    "failure_reasons": {}, "triggered": 0, "recovered": 0, "failed": 0, "full_turn": 0,
-                   "call_only": 0, "infra_failures": 0},
+                   "call_only": 0, "infra_failures": 0, "call_turns": 0, "parsed_call_turns": 0},
          "termination": "answer", "saar_drawn_on": False, "num_turns": 2, "truncated_to": None}
     return [a, b, c]
 

@@ -170,6 +170,9 @@ class AgentLoop:
         if st.user_turns >= cfg.max_user_turns:
             return turn, "max_user_turns"
         st.tool_calls = parse_tool_calls(self.chat.decode(ids), cfg.tool_call_parser)
+        if turn.call_start is not None:  # a call was attempted: did it parse?
+            st.stats.call_turns += 1
+            st.stats.parsed_call_turns += int(bool(st.tool_calls))
         return turn, (None if st.tool_calls else "answer")
 
     def _set_last_turn(self, st: _Run, ids: list[int], call_start_: int | None) -> None:

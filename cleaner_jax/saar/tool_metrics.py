@@ -60,6 +60,7 @@ def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = (
     all_ok = sum(s.tool_call_success for s in stats)
     triggered = sum(s.triggered for s in stats)
     recovered = sum(s.recovered for s in stats)
+    call_turns = sum(s.call_turns for s in stats)
     out: dict[str, float] = {
         # authors: first-attempt numbers when there are any, else all attempts
         "tool_calls/total_attempts": float(first_total if first_total else all_total),
@@ -73,6 +74,8 @@ def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = (
         "rollback/rollback_full_turn_count": float(sum(s.full_turn for s in stats)),
         "rollback/rollback_tool_call_only_count": float(sum(s.call_only for s in stats)),
         "rollback/global_recovery_rate": _ratio(recovered, triggered),
+        # 0 without an attempted call, as success_rate: a policy that stops calling is no better
+        "tool_calls/valid_call_ratio": _ratio(sum(s.parsed_call_turns for s in stats), call_turns),
     }
     for s in stats:
         for label, count in s.failure_reasons.items():

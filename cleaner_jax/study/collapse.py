@@ -36,6 +36,8 @@ PRECURSORS: dict[str, str] = {
     "ratio_max": "learner/ratio_max",
     "grad_norm": "learner/grad_norm",
     "entropy": "learner/entropy",
+    "valid_call_ratio": "tool_calls/valid_call_ratio",  # the stability monitors of docs/metrics.md
+    "tool_calls_per_trajectory": "tool_calls/per_trajectory_raw",
 }
 SPLICED_ONLY = {"spliced_k3_kl", "spliced_abs_diff_max"}
 EARLY_STEPS = 5
