@@ -141,9 +141,11 @@ def prompt(k: int) -> list[int]:
     return [40 + k] + list(range(5, 20))  # a first token of its own: no two trajectories share a prefix
 
 
-async def trajectory(client: SGLangClient, k: int, record: list | None = None) -> list[dict]:
+async def trajectory(client: SGLangClient, k: int, record: list | None = None,
+                     after_first_turn: asyncio.Event | None = None) -> list[dict]:
     """TURNS turns of one trajectory through `client.session`, each on the previous turns' tokens
-    plus a tool result; returns per turn what was sent and what came back."""
+    plus a tool result; returns per turn what was sent and what came back. `after_first_turn`: the
+    later turns wait for it (a test that kills a worker between turns, whatever the load)."""
     session = client.session(f"traj-{k}")
     ids = prompt(k)
     turns = []
@@ -153,6 +155,8 @@ async def trajectory(client: SGLangClient, k: int, record: list | None = None) -
                       "logprobs": out.output_logprobs})
         if record is not None:
             record.append((k, t))
+        if after_first_turn is not None:
+            await after_first_turn.wait()
         ids = ids + out.output_ids + TOOL
     return turns
 
@@ -381,17 +385,24 @@ def test_a_worker_killed_mid_step_is_absorbed_by_the_router(fleet, undisturbed):
         client = SGLangClient([router], retries=3, backoff_s=0.5)
         done: list = []
 
+        killed = asyncio.Event()  # every trajectory's later turns wait for the kill: on a loaded box
+        # the victim could otherwise answer all its turns before the killer looks
+
         async def killer():
-            """SIGKILL the victim as soon as it has answered a turn (its trajectories have more)."""
+            """SIGKILL the victim once it has answered a turn (its trajectories have more), then let
+            the trajectories go on."""
             deadline = time.monotonic() + 120
-            while await asyncio.to_thread(cache_entries, victim.url) == 0:
-                assert time.monotonic() < deadline and len(done) < n * TURNS, "the victim never answered a turn"
-                await asyncio.sleep(0.01)
-            os.killpg(victim.pid, signal.SIGKILL)
-            victim.proc.wait(30)
+            try:
+                while await asyncio.to_thread(cache_entries, victim.url) == 0:
+                    assert time.monotonic() < deadline, "the victim never answered a turn"
+                    await asyncio.sleep(0.01)
+                os.killpg(victim.pid, signal.SIGKILL)
+                victim.proc.wait(30)
+            finally:
+                killed.set()
 
         try:
-            out = await asyncio.gather(*(trajectory(client, k, done) for k in range(n)), killer())
+            out = await asyncio.gather(*(trajectory(client, k, done, killed) for k in range(n)), killer())
             return out, client.take_counters()
         finally:
             await client.close()
