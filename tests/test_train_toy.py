@@ -99,7 +99,7 @@ def test_toy_run_writes_events_checkpoint_dumps_and_eval(uninterrupted):
     m = metrics_by_step(wd)
     assert sorted(k for k in m if "reward/mean" in m[k]) == [1, 2, 3]
     for key in ("reward/acc", "learner/loss", "adv/zero_adv_group_frac", "tool_calls/success_rate",
-                "saar/spliced_token_fraction", "weight_sync/probe_gap"):
+                "splice/token_frac", "weight_sync/probe_gap"):
         assert key in m[3], key
     assert m[3]["weight_sync/probe_gap"] < 1e-3  # the server serves exactly the learner's weights
     assert (wd / "checkpoints" / "3").is_dir()

@@ -2,9 +2,10 @@
 
 The authors' set (docs/authors.md §2.8) with one deliberate fix: failure reasons count
 failures, not trajectories having the label (§9.17). Added: tool calls and errors per
-trajectory in the raw and the purified trajectories, the share of SAAR-spliced policy tokens,
-purified-trajectory share, similarity mean, tokens removed/inserted, and infra failures (over
-the step's excluded episodes too: those are where they happen).
+trajectory in the raw and the purified trajectories, purified-trajectory share, similarity mean,
+tokens removed/inserted, and infra failures (over the step's excluded episodes too: those are
+where they happen). The share of spliced policy tokens is `splice/token_frac`, written once,
+from the step's batch (`rl.logprob_gap.splice_metrics`).
 The authors' run-cumulative `tool_calls/global_success_rate` is not logged (a pure per-step
 function has no run state, and a resumed run would have to restore it): it is the ratio of the
 running sums of the per-step `tool_calls/all_successes` and `tool_calls/all_attempts`, which
@@ -83,7 +84,7 @@ def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = (
             out[key] = out.get(key, 0.0) + count
 
     raw_calls = raw_errors = pure_calls = pure_errors = 0
-    policy_tokens = spliced_tokens = purified_trajs = 0
+    purified_trajs = 0
     removed = inserted = 0
     sims: list[float] = []
     for e in episodes:
@@ -93,9 +94,6 @@ def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = (
         kept = [s for s in e.purified.segments if s.kind == "obs"]
         pure_calls += len(kept)
         pure_errors += sum(s.tool_failed for s in kept)
-        policy = e.purified.loss_mask.astype(bool)
-        policy_tokens += int(policy.sum())
-        spliced_tokens += int((policy & e.purified.spliced).sum())
         purified_trajs += int(e.purified.spliced.any())
         removed += sum(ev.tokens_removed for ev in e.events)
         inserted += sum(ev.tokens_inserted for ev in e.events)
@@ -105,7 +103,6 @@ def step_metrics(episodes: Sequence[Episode], *, excluded: Sequence[Episode] = (
         "tool_calls/per_trajectory_purified": pure_calls / n,
         "errors/per_trajectory_raw": raw_errors / n,
         "errors/per_trajectory_purified": pure_errors / n,
-        "saar/spliced_token_fraction": _ratio(spliced_tokens, policy_tokens),
         "saar/purified_trajectory_fraction": purified_trajs / n,
         "saar/drawn_on_fraction": sum(e.saar_drawn_on for e in episodes) / n,
         "saar/tokens_removed_per_trajectory": removed / n,
