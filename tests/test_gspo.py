@@ -140,6 +140,16 @@ def hand_batch(seed=0, row_log_s=ROW_LOG_S):
                 kind=kind, ent=ent)
 
 
+def central_differences(f, x, h=1e-6):
+    """d f / d x [B, T] by central differences in float64, one entry at a time."""
+    fd = np.zeros_like(x)
+    for i, j in np.ndindex(*fd.shape):
+        e = np.zeros_like(fd)
+        e[i, j] = h
+        fd[i, j] = (f(x + e) - f(x - e)) / (2 * h)
+    return fd
+
+
 def jax_loss_and_grad(cfg, d):
     def f(lp):
         out = compute_loss(cfg, LossInputs(lp, jnp.asarray(d["mask"]), jnp.asarray(d["adv"], jnp.float32),
@@ -201,11 +211,7 @@ def test_gradient_is_that_of_the_sequence_objective(agg, dual):
         got, grad, _ = jax_loss_and_grad(cfg, d)
         f = lambda lp: np_sequence_objective(cfg, lp, d["mask"], d["adv"], d["old"])  # noqa: E731
         np.testing.assert_allclose(got, f(d["logp"]), rtol=1e-5)
-        h, fd = 1e-6, np.zeros_like(d["logp"])
-        for i, j in np.ndindex(*fd.shape):
-            e = np.zeros_like(fd)
-            e[i, j] = h
-            fd[i, j] = (f(d["logp"] + e) - f(d["logp"] - e)) / (2 * h)
+        fd = central_differences(f, d["logp"])
         np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-7)
         # row 0 clipped, row 2 inside; row 1 clipped below, or (A < 0, s = e^0.5) unclipped above the
         # band unless the dual clip 1.2 bounds it
@@ -301,11 +307,7 @@ def test_sequence_level_rollout_weight_is_one_factor_per_row():
     got, grad, _ = jax_loss_and_grad(cfg, d)
     f = lambda lp: np_sequence_objective(cfg, lp, d["mask"], d["adv"], d["old"], rho)  # noqa: E731
     np.testing.assert_allclose(got, f(d["logp"]), rtol=1e-5)
-    h, fd = 1e-6, np.zeros_like(d["logp"])
-    for i, j in np.ndindex(*fd.shape):
-        e = np.zeros_like(fd)
-        e[i, j] = h
-        fd[i, j] = (f(d["logp"] + e) - f(d["logp"] - e)) / (2 * h)
+    fd = central_differences(f, d["logp"])
     np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-7)
 
 
