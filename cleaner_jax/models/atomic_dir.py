@@ -26,13 +26,14 @@ def commit_dir(tmp: Path, final: Path) -> Path:
     """Make the directory written as `tmp` (`partial_dir`) appear as `final`, whole: fsync its
     files and itself, then rename. An existing `final` is first renamed to `.<name>.replaced`
     and removed afterwards, so a kill between the two renames leaves `final` absent (written
-    again by whoever needs it), never half old and half new."""
+    again by whoever needs it, or put back by `recover_replaced`), never half old and half new."""
     for root, _dirs, files in os.walk(tmp):
         for name in files:
             fsync(Path(root) / name)
     fsync(tmp)
-    old = final.parent / f".{final.name}.replaced"
-    if old.exists():
+    old = replaced_dir(final)
+    recover_replaced(final)  # a killed commit's previous `final` is replaced like any other, not lost
+    if old.exists():  # a killed commit's leftover beside its complete `final`
         shutil.rmtree(old)
     if final.exists():
         os.rename(final, old)
@@ -41,6 +42,21 @@ def commit_dir(tmp: Path, final: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     return final
+
+
+def replaced_dir(final: Path) -> Path:
+    """Where `commit_dir` keeps the previous `final` between its two renames."""
+    return final.parent / f".{final.name}.replaced"
+
+
+def recover_replaced(final: Path) -> bool:
+    """Put back the previous `final` that a `commit_dir` killed between its two renames left
+    beside it; True if it did. A no-op while `final` exists: then the leftover is stale."""
+    old = replaced_dir(final)
+    if final.exists() or not old.is_dir():
+        return False
+    os.rename(old, final)
+    return True
 
 
 def fsync(path: Path) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from cleaner_jax import distributed
 from cleaner_jax.config import RunConfig
-from cleaner_jax.models.atomic_dir import commit_dir, partial_dir
+from cleaner_jax.models.atomic_dir import commit_dir, partial_dir, recover_replaced
 from cleaner_jax.models.params import ExportFailedError, NonFiniteWeightsError
 from cleaner_jax.rl.learner import Learner
 from cleaner_jax.rollout.fleet import RolloutUnavailableError
@@ -167,9 +167,7 @@ def kept_export(workdir: Path, name: str) -> dict | None:
     its two renames (`atomic_dir.commit_dir`) left the previous export as `.<name>.replaced`: it
     is put back first, so a crash never loses it."""
     final = workdir / KEPT_DIR / name
-    replaced = final.parent / f".{name}.replaced"
-    if not final.exists() and replaced.is_dir():
-        os.rename(replaced, final)
+    if recover_replaced(final):
         log.warning("put back %s: the swap that replaced it was killed half-way", final)
     info = final / KEPT_INFO
     return json.loads(info.read_text()) if info.is_file() else None
@@ -181,7 +179,6 @@ def keep_export(workdir: Path, name: str, source: Path, info: dict) -> Path:
     `source` unlinks only its own names) with `info` as its export.json. Written whole, then
     swapped in (`atomic_dir`): the previous one stays until the new one is complete."""
     final = workdir / KEPT_DIR / name
-    kept_export(workdir, name)  # a half-done swap's previous export back first: commit_dir would delete it
     tmp = partial_dir(final)
     for f in sorted(source.iterdir()):
         if f.is_file():
